@@ -1,0 +1,329 @@
+"""RLOOConfig: the engine's typed, validated option set, with TRL's RLOOConfig names and meanings.
+
+Every field is documented where it is declared; `docs/configuration.md` is generated from these
+descriptions (`python -m rloo_engine.config_docs`), so the reference cannot drift.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field, the value and what was expected."""
+
+
+def F(default: Any, doc: str, **kw: Any) -> Any:
+    """A documented field: `doc` says what it means, why the default, and when to change it."""
+    return Field(default, description=doc, **kw)
+
+
+class RLOOConfig(BaseModel):
+    """All options of `rloo-engine train`. Names follow TRL's RLOOConfig / `trl rloo` script arguments."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+    # ---------------------------------------------------------------- model, reward and data
+    model_name_or_path: str = F(
+        ...,
+        "Policy to train: a local directory in `save_pretrained` format or a hub id. Also the "
+        "frozen reference model unless LoRA is on (then the reference is the adapter-disabled base).",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = F(
+        "float32",
+        "Dtype the policy and reference weights are loaded in. float32 is the safe default on CPU; on "
+        "GPUs prefer `bfloat16` weights or keep float32 weights and set `bf16: true` for mixed precision.",
+        validation_alias=AliasChoices("dtype", "torch_dtype"),
+    )
+    attn_implementation: str | None = F(
+        None, "Attention kernel passed to `from_pretrained` (`sdpa`, `eager`, `flash_attention_2`). None = library default."
+    )
+    reward_model_name_or_path: str | None = F(
+        None,
+        "Reward model: an `AutoModelForSequenceClassification` with `num_labels=1` (local dir or hub id). "
+        "Scored with its own tokenizer, so it may differ from the policy's.",
+    )
+    reward_funcs: list[str] = F(
+        [],
+        "Reward functions as `module:function` import paths (sync or `async def`). Each is called with "
+        "`prompts=`, `completions=`, `completion_ids=` and every extra dataset column as keyword lists, and "
+        "returns one float (or None = unscorable) per completion.",
+    )
+    reward_weights: list[float] | None = F(
+        None,
+        "Weight of each reward source, in order: the reward model first (if any), then `reward_funcs`. "
+        "None = all weights 1.0.",
+    )
+    dataset_name: str | None = F(
+        None,
+        "Prompt dataset: a hub id, a local dataset directory, or a .jsonl/.json/.parquet/.csv file. Rows "
+        "need a `prompt` column (a string, or a list of chat messages rendered with the chat template).",
+    )
+    dataset_config: str | None = F(None, "Dataset configuration name for hub datasets with several configs.")
+    dataset_train_split: str = F("train", "Split to train on.")
+    max_prompt_length: int | None = F(
+        512,
+        "Prompts longer than this many tokens are truncated from the left (keeps the end, which the "
+        "completion continues). None = no truncation.",
+        ge=1,
+    )
+    shuffle_dataset: bool = F(True, "Shuffle prompts each epoch (seeded by `seed`).")
+
+    # ---------------------------------------------------------------- core RLOO
+    num_generations: int = F(
+        2,
+        "G, completions sampled per prompt. The leave-one-out baseline of each completion is the mean "
+        "reward of the other G-1, so G >= 2. Larger G lowers baseline variance at G x the sampling cost.",
+    )
+    beta: float = F(
+        0.05,
+        "KL coefficient: reward r_i = R(o_i) - beta * KL_i. 0 disables the KL penalty and the reference "
+        "model is not loaded at all (saves memory).",
+        ge=0.0,
+    )
+    epsilon: float = F(0.2, "Lower clip range of the sequence ratio: ratio is clipped to [1 - epsilon, 1 + epsilon_high].")
+    epsilon_high: float | None = F(None, "Upper clip range; None = same as `epsilon` (set higher for DAPO-style clip-higher).")
+    num_iterations: int = F(
+        1,
+        "Times each generation batch is reused for optimisation (mu in the GRPO/RLOO papers). 1 = on-policy; "
+        ">1 reuses samples and makes the ratio clipping matter.",
+        ge=1,
+    )
+    steps_per_generation: int | None = F(
+        None,
+        "Micro-batches per generation batch. None = `gradient_accumulation_steps` (one generation per "
+        "optimizer step). Mutually exclusive with `generation_batch_size`.",
+        ge=1,
+    )
+    generation_batch_size: int | None = F(
+        None,
+        "Completions per generation, summed over processes; must be a multiple of "
+        "`per_device_train_batch_size * num_processes` and of `num_generations`. Mutually exclusive with "
+        "`steps_per_generation`.",
+        ge=1,
+    )
+
+    # ---------------------------------------------------------------- advantages and rewards
+    normalize_advantages: bool = F(
+        False, "Divide advantages by their standard deviation over the generation batch. The RLOO paper does not."
+    )
+    reward_clip_range: tuple[float, float] | None = F(
+        None, "Clip each source's reward to [low, high] before weighting. None = no clipping."
+    )
+    mask_truncated_completions: bool = F(
+        False,
+        "Exclude completions that hit `max_completion_length` without an EOS from the loss (they get no "
+        "gradient). Recommended when truncation is common, since their reward judges an unfinished answer.",
+    )
+
+    # ---------------------------------------------------------------- sampling
+    max_completion_length: int = F(256, "Maximum tokens sampled per completion.", ge=1)
+    temperature: float = F(1.0, "Sampling temperature; log-probs are computed from logits scaled by it too.", gt=0.0)
+    top_p: float = F(1.0, "Nucleus sampling mass; 1.0 = off.", gt=0.0, le=1.0)
+    top_k: int | None = F(None, "Top-k sampling; None or 0 = off.", ge=0)
+    min_p: float | None = F(None, "Min-p sampling threshold; None = off.", ge=0.0, le=1.0)
+    repetition_penalty: float = F(1.0, "Repetition penalty for sampling; 1.0 = off.", gt=0.0)
+    generation_kwargs: dict[str, Any] = F({}, "Extra keyword arguments for the generation backend (override the above).")
+    chat_template_kwargs: dict[str, Any] = F(
+        {}, "Extra keyword arguments for `apply_chat_template` on conversational prompts (e.g. `enable_thinking`)."
+    )
+
+    # ---------------------------------------------------------------- optimisation
+    learning_rate: float = F(1e-6, "Peak AdamW learning rate. RLHF fine-tuning wants small values (1e-6 to 1e-5).", gt=0.0)
+    lr_scheduler_type: str = F("linear", "transformers scheduler name: linear, cosine, constant, constant_with_warmup, ...")
+    warmup_steps: int = F(0, "Linear warmup in optimizer steps. Overrides `warmup_ratio` when > 0.", ge=0)
+    warmup_ratio: float = F(0.0, "Warmup as a fraction of the total optimizer steps.", ge=0.0, le=1.0)
+    weight_decay: float = F(0.0, "AdamW weight decay.", ge=0.0)
+    adam_beta1: float = F(0.9, "AdamW beta1.", ge=0.0, lt=1.0)
+    adam_beta2: float = F(0.999, "AdamW beta2.", ge=0.0, lt=1.0)
+    max_grad_norm: float | None = F(1.0, "Gradient clipping norm; None or 0 = no clipping.", ge=0.0)
+    per_device_train_batch_size: int = F(
+        8, "Completions (not prompts) per micro-batch per process, as in TRL.", ge=1
+    )
+    gradient_accumulation_steps: int = F(1, "Micro-batches accumulated per optimizer step.", ge=1)
+    max_steps: int = F(-1, "Total optimizer steps. -1 = derive from `num_train_epochs` and the dataset size.", ge=-1)
+    num_train_epochs: float = F(1.0, "Passes over the prompt dataset when `max_steps` is -1.", gt=0.0)
+
+    # ---------------------------------------------------------------- precision and memory
+    bf16: bool = F(False, "bfloat16 mixed precision through accelerate (GPUs with bf16 support).")
+    fp16: bool = F(False, "float16 mixed precision with loss scaling through accelerate.")
+    gradient_checkpointing: bool = F(False, "Recompute activations in backward to save memory (~30% slower).")
+    disable_dropout: bool = F(True, "Set every dropout probability to 0 in policy and reference, so log-probs are deterministic.")
+
+    # ---------------------------------------------------------------- bookkeeping
+    seed: int = F(42, "Seed for python, numpy and torch RNGs, data order and sampling.")
+    output_dir: str = F("outputs/rloo", "Where checkpoints, `metrics.jsonl`, completion tables and `final/` are written.")
+    run_name: str | None = F(None, "Name of the MLflow run when the engine creates one.")
+    logging_steps: int = F(10, "Write metrics every this many optimizer steps.", ge=1)
+    save_steps: int = F(500, "Write `checkpoint-N` every this many optimizer steps; 0 = only the final model.", ge=0)
+    save_total_limit: int | None = F(None, "Keep at most this many checkpoints (oldest pruned). None = keep all.", ge=1)
+    resume_from_checkpoint: str | None = F(
+        None, "`latest` (newest `checkpoint-N` in `output_dir`, or a fresh start if none), or a checkpoint path."
+    )
+    disable_tqdm: bool = F(False, "Hide the progress bar (rank 0 shows one by default).")
+
+    # ---------------------------------------------------------------- reference-model sync
+    sync_ref_model: bool = F(
+        False, "Periodically move the reference towards the policy (TR-DPO style): ref = alpha*policy + (1-alpha)*ref."
+    )
+    ref_model_mixup_alpha: float = F(0.6, "alpha of the reference sync.", ge=0.0, le=1.0)
+    ref_model_sync_steps: int = F(512, "Optimizer steps between reference syncs.", ge=1)
+
+    # ---------------------------------------------------------------- logging samples
+    log_completions: bool = F(False, "Print sample completions at each logging step and save them to `completions.jsonl`.")
+    num_completions_to_print: int | None = F(None, "Rows printed per logging step; None = all of the batch's first group.", ge=1)
+
+    # ---------------------------------------------------------------- LoRA
+    use_peft: bool = F(False, "Train LoRA adapters instead of all weights (needs the `peft` extra).")
+    lora_r: int = F(16, "LoRA rank.", ge=1)
+    lora_alpha: int = F(32, "LoRA scaling alpha.", ge=1)
+    lora_dropout: float = F(0.05, "LoRA dropout.", ge=0.0, lt=1.0)
+    lora_target_modules: list[str] | None = F(
+        None, "Module names to adapt (e.g. q_proj v_proj); None = peft's default for the architecture."
+    )
+
+    # ---------------------------------------------------------------- validation
+    @model_validator(mode="after")
+    def _check(self) -> "RLOOConfig":
+        g = self.num_generations
+        if g < 2:
+            raise ValueError(
+                f"num_generations: {g}; RLOO needs at least 2 completions per prompt for the leave-one-out baseline"
+            )
+        if self.epsilon <= 0:
+            raise ValueError(f"epsilon: {self.epsilon}; expected > 0")
+        if self.epsilon_high is not None and self.epsilon_high <= 0:
+            raise ValueError(f"epsilon_high: {self.epsilon_high}; expected > 0 or null")
+        if self.steps_per_generation is not None and self.generation_batch_size is not None:
+            raise ValueError(
+                "steps_per_generation and generation_batch_size: both set "
+                f"({self.steps_per_generation}, {self.generation_batch_size}); set at most one"
+            )
+        if self.generation_batch_size is not None:
+            gbs = self.generation_batch_size
+            if gbs % g:
+                raise ValueError(f"generation_batch_size: {gbs} is not divisible by num_generations={g}")
+            if gbs % self.per_device_train_batch_size:
+                raise ValueError(
+                    f"generation_batch_size: {gbs} is not divisible by "
+                    f"per_device_train_batch_size={self.per_device_train_batch_size}"
+                )
+        else:
+            per_device = self.per_device_train_batch_size * self.effective_steps_per_generation
+            if per_device % g:
+                raise ValueError(
+                    f"per_device_train_batch_size * steps_per_generation = {per_device} completions per "
+                    f"generation batch is not divisible by num_generations={g}; each prompt's G completions "
+                    "must stay together on one process"
+                )
+        if self.model_name_or_path.strip() == "":
+            raise ValueError("model_name_or_path: empty; expected a local directory or hub id")
+        if not self.reward_model_name_or_path and not self.reward_funcs:
+            raise ValueError(
+                "reward_model_name_or_path / reward_funcs: neither is set; give a reward model or at least one reward function"
+            )
+        n_sources = len(self.reward_funcs) + (1 if self.reward_model_name_or_path else 0)
+        if self.reward_weights is not None and len(self.reward_weights) != n_sources:
+            raise ValueError(
+                f"reward_weights: {self.reward_weights} has {len(self.reward_weights)} entries; expected "
+                f"{n_sources} (reward model first, then each of reward_funcs)"
+            )
+        for f in self.reward_funcs:
+            if ":" not in f:
+                raise ValueError(f"reward_funcs: {f!r}; expected an import path like 'my_pkg.rewards:length_reward'")
+        if self.reward_clip_range is not None and self.reward_clip_range[0] >= self.reward_clip_range[1]:
+            raise ValueError(f"reward_clip_range: {list(self.reward_clip_range)}; expected [low, high] with low < high")
+        if self.bf16 and self.fp16:
+            raise ValueError("bf16 and fp16: both true; choose one mixed-precision mode")
+        if self.dataset_name is None:
+            raise ValueError("dataset_name: not set; expected a hub id, dataset directory or data file")
+        if self.lr_scheduler_type not in _SCHEDULERS:
+            raise ValueError(f"lr_scheduler_type: {self.lr_scheduler_type!r}; expected one of {sorted(_SCHEDULERS)}")
+        return self
+
+    # ---------------------------------------------------------------- derived values
+    @property
+    def effective_epsilon_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def effective_steps_per_generation(self) -> int:
+        """Micro-batches per generation batch when `generation_batch_size` is not set."""
+        return self.steps_per_generation or self.gradient_accumulation_steps
+
+    def steps_per_generation_for(self, num_processes: int) -> int:
+        """Micro-batches per generation batch on each process, for a run with `num_processes`."""
+        if self.generation_batch_size is None:
+            return self.effective_steps_per_generation
+        per_step = self.per_device_train_batch_size * num_processes
+        if self.generation_batch_size % per_step:
+            raise ConfigError(
+                f"generation_batch_size: {self.generation_batch_size} is not divisible by "
+                f"per_device_train_batch_size * num_processes = {per_step}"
+            )
+        spg = self.generation_batch_size // per_step
+        if (spg * self.per_device_train_batch_size) % self.num_generations:
+            raise ConfigError(
+                f"generation_batch_size: {self.generation_batch_size} gives {spg * self.per_device_train_batch_size} "
+                f"completions per process, not divisible by num_generations={self.num_generations}"
+            )
+        return spg
+
+    @property
+    def has_reference_model(self) -> bool:
+        return self.beta > 0
+
+
+_SCHEDULERS = {
+    "linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+    "constant_with_warmup", "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay",
+}
+
+
+def format_validation_error(err: ValidationError, source: str = "RLOOConfig") -> str:
+    """One line per problem: `<source>: <field>: <message> (got <value>)`."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "config"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown option; check the spelling against docs/configuration.md"
+        elif e["type"] == "missing":
+            msg = "required option is missing"
+        got = f" (got {e['input']!r})" if e["type"] not in ("missing", "value_error") and "input" in e else ""
+        lines.append(f"{source}: {loc}: {msg}{got}" if loc != "config" else f"{source}: {msg}")
+    return "\n".join(lines)
+
+
+def build_config(values: dict[str, Any], source: str = "RLOOConfig") -> RLOOConfig:
+    """Validates `values` into an RLOOConfig, raising ConfigError with every problem named."""
+    try:
+        return RLOOConfig.model_validate(values)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source)) from None
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Reads a YAML mapping, with errors naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config: {p} does not exist or is not a file; expected a YAML config file")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--config: {p} is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: {p} holds a {type(data).__name__}; expected a mapping of option: value")
+    return data
+
+
+def save_config(cfg: RLOOConfig, path: str | Path) -> Path:
+    """Writes the config as YAML (only non-derived fields), so a run can be reproduced with `--config`."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return p

@@ -1,0 +1,142 @@
+"""Builds tiny, randomly initialised models and locally trained tokenizers, for tests and offline demos.
+
+Nothing here downloads anything: tokenizers are trained with `tokenizers` on text generated
+in-process, and models are random-init from a transformers config (Qwen2- or Llama-shaped).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+
+# A ChatML-like template; enough to exercise conversational prompts end to end.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+_WORDS = (
+    "the a cat dog sat ran on under mat tree big small red blue green happy sad quick slow "
+    "fox jumps over lazy river sun moon star bird sings song house garden apple pear good bad "
+    "yes no please thank you summary text short long answer question what why how when where"
+).split()
+
+
+def synthetic_corpus(num_lines: int = 2000, seed: int = 0) -> list[str]:
+    """Returns `num_lines` pseudo-sentences over a small vocabulary (deterministic in `seed`)."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 12))) for _ in range(num_lines)]
+
+
+def train_tokenizer(
+    texts: list[str] | None = None,
+    vocab_size: int = 320,
+    style: str = "bpe",
+    chat_template: str | None = CHAT_TEMPLATE,
+) -> PreTrainedTokenizerFast:
+    """Trains a byte-level tokenizer on `texts` and wraps it for transformers.
+
+    `style` is "bpe" (byte-level BPE) or "wordpiece"-like "unigram"; two styles give two
+    genuinely different tokenizers over the same text (for the cross-tokenizer reward test).
+    """
+    texts = texts if texts is not None else synthetic_corpus()
+    specials = [PAD, EOS, UNK, "<|user|>", "<|assistant|>", "<|system|>"]
+    if style == "bpe":
+        tok = Tokenizer(models.BPE(unk_token=UNK))
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
+    elif style == "unigram":
+        tok = Tokenizer(models.Unigram())
+        trainer = trainers.UnigramTrainer(
+            vocab_size=vocab_size,
+            special_tokens=specials,
+            unk_token=UNK,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
+    else:
+        raise ValueError(f"style: {style!r}; expected 'bpe' or 'unigram'")
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK)
+    if chat_template:
+        wrapped.chat_template = chat_template
+    return wrapped
+
+
+def _lm_config(arch: str, vocab_size: int, pad_id: int, eos_id: int, hidden: int, layers: int, **extra):
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        bos_token_id=eos_id,
+        tie_word_embeddings=True,
+        **extra,
+    )
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    raise ValueError(f"arch: {arch!r}; expected 'qwen2' or 'llama'")
+
+
+def build_causal_lm(
+    out_dir: str | Path,
+    tokenizer: PreTrainedTokenizerFast,
+    arch: str = "qwen2",
+    hidden: int = 32,
+    layers: int = 2,
+    seed: int = 0,
+) -> Path:
+    """Saves a random-init causal LM (and its tokenizer) to `out_dir`; returns the path."""
+    torch.manual_seed(seed)
+    cfg = _lm_config(arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, hidden, layers)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def build_reward_model(
+    out_dir: str | Path,
+    tokenizer: PreTrainedTokenizerFast,
+    arch: str = "qwen2",
+    hidden: int = 32,
+    layers: int = 2,
+    num_labels: int = 1,
+    seed: int = 0,
+) -> Path:
+    """Saves a random-init sequence classifier (`num_labels` outputs) with its tokenizer."""
+    torch.manual_seed(seed)
+    cfg = _lm_config(
+        arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, hidden, layers, num_labels=num_labels
+    )
+    model = AutoModelForSequenceClassification.from_config(cfg)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny models built offline once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from rloo_engine import tiny_models  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny_models")
+
+
+@pytest.fixture(scope="session")
+def policy_tokenizer():
+    return tiny_models.train_tokenizer(style="bpe")
+
+
+@pytest.fixture(scope="session")
+def qwen2_model(tiny_dir, policy_tokenizer) -> Path:
+    """Path to a tiny Qwen2-shaped causal LM with a BPE tokenizer and a chat template."""
+    return tiny_models.build_causal_lm(tiny_dir / "qwen2", policy_tokenizer, arch="qwen2")
+
+
+@pytest.fixture(scope="session")
+def llama_model(tiny_dir, policy_tokenizer) -> Path:
+    """Path to a tiny Llama-shaped causal LM on the same tokenizer."""
+    return tiny_models.build_causal_lm(tiny_dir / "llama", policy_tokenizer, arch="llama", seed=1)
+
+
+@pytest.fixture(scope="session")
+def reward_model(tiny_dir, policy_tokenizer) -> Path:
+    """Path to a tiny sequence-classification reward model (num_labels=1) on the policy's tokenizer."""
+    return tiny_models.build_reward_model(tiny_dir / "rm", policy_tokenizer, seed=2)
+
+
+@pytest.fixture(scope="session")
+def reward_model_other_tokenizer(tiny_dir) -> Path:
+    """Path to a tiny reward model whose tokenizer (unigram, 400 tokens) differs from the policy's."""
+    tok = tiny_models.train_tokenizer(style="unigram", vocab_size=400)
+    return tiny_models.build_reward_model(tiny_dir / "rm_other", tok, arch="llama", seed=3)
