@@ -1,0 +1,137 @@
+"""The RLOO math (Ahmadian et al. 2024) as small pure tensor functions: no I/O, no config, no accelerate.
+
+Notation: B sequences in a micro-batch, T completion tokens, V vocabulary, G completions per prompt,
+N = num_prompts * G sequences in a generation batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def token_log_probs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probability of each sampled token under temperature-scaled logits.
+
+    logits: (B, T, V), position t predicts tokens[:, t]; tokens: (B, T) int64.
+    Returns (logps: (B, T) float32, entropy: (B, T) float32 or None).
+
+    Works one sequence at a time so that only one (T, V) float32 slice exists beside the
+    logits, never a second full (B, T, V) copy: at 150k vocab that copy dominates memory.
+    Entropy is a metric only, so it is computed without gradient.
+    """
+    logps, entropies = [], []
+    for row_logits, row_tokens in zip(logits, tokens):
+        scaled = row_logits.float() / temperature  # (T, V): the one temporary
+        log_norm = torch.logsumexp(scaled, dim=-1)  # (T,)
+        logps.append(scaled.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1) - log_norm)
+        if with_entropy:
+            with torch.no_grad():
+                probs = torch.softmax(scaled, dim=-1)
+                entropies.append(log_norm - (probs * scaled).sum(-1))
+    entropy = torch.stack(entropies) if with_entropy else None
+    return torch.stack(logps), entropy
+
+
+def sequence_log_probs(token_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum of token log-probs over real completion tokens.
+
+    token_logps: (B, T); mask: (B, T) 1 for completion tokens up to and including the first EOS.
+    Returns (B,).
+    """
+    return (token_logps * mask).sum(-1)
+
+
+def sequence_kl(policy_token_logps: torch.Tensor, ref_token_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """k1 estimate of KL(pi || pi_ref) for each sampled sequence: sum_t log pi(o_t) - log pi_ref(o_t).
+
+    All inputs (B, T); returns (B,). An unbiased single-sample estimate of the sequence KL.
+    """
+    return ((policy_token_logps - ref_token_logps) * mask).sum(-1)
+
+
+def leave_one_out_advantages(rewards: torch.Tensor, num_generations: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """A_i = r_i - mean of the other valid rewards of the same prompt.
+
+    rewards: (num_prompts * G,), grouped so rows [k*G, (k+1)*G) share a prompt.
+    valid: (num_prompts * G,) bool; invalid (unscorable) rows are left out of every baseline and get
+    advantage 0. A valid row with no other valid row in its group has no baseline and gets 0 too.
+    Returns (num_prompts * G,) in the dtype of `rewards`.
+    """
+    if valid is None:
+        valid = torch.ones_like(rewards, dtype=torch.bool)
+    r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, num_generations)  # (P, G)
+    v = valid.view(-1, num_generations).to(rewards.dtype)  # (P, G)
+    others = (v.sum(-1, keepdim=True) - v).clamp(min=1)  # valid rows besides i
+    baseline = (r.sum(-1, keepdim=True) - r) / others
+    has_baseline = (v.sum(-1, keepdim=True) - v) > 0
+    advantages = torch.where((v > 0) & has_baseline, r - baseline, torch.zeros_like(r))
+    return advantages.view(-1)
+
+
+def normalize_advantages(advantages: torch.Tensor, valid: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """Divide by the standard deviation over rows that carry signal. advantages, valid: (N,) -> (N,)."""
+    live = valid & (advantages != 0)
+    if live.sum() < 2:
+        return advantages
+    return advantages / (advantages[live].std() + eps)
+
+
+def clipped_sequence_loss(
+    seq_logps: torch.Tensor,
+    old_seq_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-mean_i min(rho_i A_i, clip(rho_i, 1 - eps_low, 1 + eps_high) A_i) with rho_i = pi_theta / pi_old per sequence.
+
+    seq_logps: (B,) with gradient; old_seq_logps, advantages: (B,) without.
+    weights: (B,) 1 for sequences in the loss, 0 for excluded ones (e.g. masked truncations).
+    Returns (loss: scalar, ratio: (B,) detached). On-policy old == current, so rho = 1 and the
+    gradient is plain REINFORCE with the leave-one-out baseline.
+    """
+    ratio = torch.exp(seq_logps - old_seq_logps)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    objective = torch.minimum(ratio * advantages, clipped * advantages)
+    if weights is None:
+        weights = torch.ones_like(objective)
+    loss = -(objective * weights).sum() / weights.sum().clamp(min=1)
+    return loss, ratio.detach()
+
+
+def clip_ratio_metrics(
+    ratio: torch.Tensor, advantages: torch.Tensor, epsilon_low: float, epsilon_high: float, weights: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """Fraction of sequences whose gradient the clip removed, TRL-style.
+
+    low: ratio < 1 - eps_low with A < 0; high: ratio > 1 + eps_high with A > 0; region: either.
+    All inputs (B,); returns scalar tensors `low`, `high`, `region` (means over weighted rows).
+    """
+    if weights is None:
+        weights = torch.ones_like(ratio)
+    denom = weights.sum().clamp(min=1)
+    low = ((ratio < 1 - epsilon_low) & (advantages < 0)).float()
+    high = ((ratio > 1 + epsilon_high) & (advantages > 0)).float()
+    return {
+        "low": (low * weights).sum() / denom,
+        "high": (high * weights).sum() / denom,
+        "region": (((low + high) > 0).float() * weights).sum() / denom,
+    }
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_token_id: int | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask tokens after the first EOS.
+
+    completion_ids: (B, T). Returns (mask: (B, T) int64, 1 up to and including the first EOS;
+    terminated: (B,) bool, whether an EOS was produced within T tokens).
+    """
+    eos_ids = torch.as_tensor(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id], device=completion_ids.device)
+    is_eos = torch.isin(completion_ids, eos_ids)
+    terminated = is_eos.any(-1)
+    T = completion_ids.size(1)
+    first_eos = torch.where(terminated, is_eos.int().argmax(-1), torch.full_like(terminated, T, dtype=torch.long))
+    positions = torch.arange(T, device=completion_ids.device).expand_as(completion_ids)
+    return (positions <= first_eos.unsqueeze(-1)).long(), terminated
