@@ -1,0 +1,340 @@
+"""Reward sources (a reward model, `module:function` reward functions) and their weighted combination."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import math
+import threading
+from dataclasses import dataclass
+from numbers import Real
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+from rloo_engine.config import ConfigError, RLOOConfig
+from rloo_engine.data import is_conversational
+
+
+class RewardError(RuntimeError):
+    """A reward source failed or returned something unusable; the message names the source."""
+
+
+@runtime_checkable
+class RewardSource(Protocol):
+    """Scores completions: one float, or None for "cannot judge this one", per completion.
+
+    `prompts` are the raw dataset prompts (strings or message lists), `columns` the dataset's
+    other columns, each a list aligned with `completions`.
+    """
+
+    name: str
+
+    def __call__(
+        self, prompts: list, completions: list[str], completion_ids: list[list[int]], **columns: list
+    ) -> list[float | None]: ...
+
+
+# ---------------------------------------------------------------- reward model
+
+
+class RewardModelSource:
+    """An `AutoModelForSequenceClassification` (num_labels=1) scoring prompt + completion with its own tokenizer.
+
+    The text is rebuilt from strings and re-tokenized, so the reward model's tokenizer may differ
+    from the policy's. The score is read at the last real token of each row, found from the
+    attention mask, so it is the same with left or right padding and whatever the pad token is.
+    """
+
+    name = "reward_model"
+
+    def __init__(
+        self,
+        path_or_id: str,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+        batch_size: int = 16,
+        max_length: int = 1024,
+    ):
+        num_labels = _load_or_raise(path_or_id, lambda: AutoConfig.from_pretrained(path_or_id)).num_labels
+        if num_labels != 1:
+            raise ConfigError(
+                f"reward_model: {path_or_id} has num_labels={num_labels}; a reward model must have num_labels=1"
+            )
+        self.path, self.device = path_or_id, torch.device(device)
+        self.batch_size, self.max_length = batch_size, max_length
+        self.tokenizer = _load_or_raise(path_or_id, lambda: AutoTokenizer.from_pretrained(path_or_id))
+        if self.tokenizer.pad_token is None:
+            if self.tokenizer.eos_token is None:
+                raise ConfigError(f"reward_model: {path_or_id} tokenizer has neither a pad nor an eos token")
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        # Left truncation keeps the end of the completion, which is where the score is read.
+        self.tokenizer.truncation_side = "left"
+        self.model = _load_or_raise(
+            path_or_id, lambda: AutoModelForSequenceClassification.from_pretrained(path_or_id, dtype=dtype)
+        )
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.model.to(self.device).eval()
+
+    def text(self, prompt: str | list[dict], completion: str) -> str:
+        """The string the reward model judges: prompt + completion, or the full chat with the reply."""
+        if not is_conversational(prompt):
+            return prompt + completion
+        chat = list(prompt) + [{"role": "assistant", "content": completion}]
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=False)
+        return "\n".join(f"{m['role']}: {m['content']}" for m in chat)
+
+    def __call__(
+        self, prompts: list, completions: list[str], completion_ids: list[list[int]] | None = None, **columns: list
+    ) -> list[float]:
+        # A chat template writes its own special tokens; adding them again would double e.g. BOS.
+        add_special = not is_conversational(prompts[0]) if prompts else True
+        texts = [self.text(p, c) for p, c in zip(prompts, completions, strict=True)]
+        scores: list[float] = []
+        for start in range(0, len(texts), self.batch_size):
+            scores.extend(self._score_batch(texts[start : start + self.batch_size], add_special))
+        return scores
+
+    @torch.inference_mode()
+    def _score_batch(self, texts: list[str], add_special_tokens: bool) -> list[float]:
+        enc = self.tokenizer(
+            texts, padding=True, truncation=True, max_length=self.max_length,
+            add_special_tokens=add_special_tokens, return_tensors="pt",
+        ).to(self.device)
+        mask = enc["attention_mask"]  # (B, T)
+        # Positions count real tokens only, so a left-padded row sees the positions it would unpadded.
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        per_token = _PerTokenLogits(self.model)
+        with per_token:
+            out = self.model(input_ids=enc["input_ids"], attention_mask=mask, position_ids=position_ids)
+        if per_token.logits is None:  # a head that pools itself (e.g. [CLS]): trust its pooled logits
+            return out.logits[:, 0].float().cpu().tolist()
+        last_real = (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(-1)  # (B,)
+        rows = torch.arange(mask.shape[0], device=mask.device)
+        return per_token.logits[rows, last_real, 0].float().cpu().tolist()
+
+
+class _PerTokenLogits:
+    """Captures the score head's per-position output (B, T, 1), so pooling uses our attention mask.
+
+    HF pools at the rightmost token that is not `pad_token_id`, which is wrong when a real token
+    equals the pad token (e.g. pad = eos and the text ends in eos).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.head = getattr(model, "score", None)
+        self.logits: torch.Tensor | None = None
+        self._handle = None
+
+    def _hook(self, module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+        if output.dim() == 3:
+            self.logits = output
+
+    def __enter__(self) -> "_PerTokenLogits":
+        if isinstance(self.head, torch.nn.Module):
+            self._handle = self.head.register_forward_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+
+
+def _load_or_raise(path: str, load: Any) -> Any:
+    try:
+        return load()
+    except Exception as err:
+        raise ConfigError(
+            f"reward_model_name_or_path: {path} could not be loaded: {type(err).__name__}: {err}"
+        ) from err
+
+
+# ---------------------------------------------------------------- reward functions
+
+
+class FunctionRewardSource:
+    """A user function `fn(prompts=, completions=, completion_ids=, **columns) -> list[float | None]`, sync or async."""
+
+    def __init__(self, name: str, fn: Any):
+        self.name, self.fn = name, fn
+
+    def __call__(
+        self, prompts: list, completions: list[str], completion_ids: list[list[int]], **columns: list
+    ) -> list[float | None]:
+        result = self.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        return _run(result) if inspect.isawaitable(result) else result
+
+
+def load_reward_function(import_path: str) -> FunctionRewardSource:
+    """Imports `package.module:function` and wraps it as a reward source named by its import path."""
+    module_name, sep, attr = import_path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"reward_funcs: {import_path!r}; expected an import path like 'my_pkg.rewards:length_reward'")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        raise ConfigError(f"reward_funcs: {import_path}: module {module_name!r} not found ({err})") from err
+    fn = module
+    for part in attr.split("."):  # allows `mod:Class.method` and `mod:instance`
+        if not hasattr(fn, part):
+            raise ConfigError(f"reward_funcs: {import_path}: {module_name} has no attribute {attr!r}")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise ConfigError(f"reward_funcs: {import_path}: {attr} is a {type(fn).__name__}, not callable")
+    return FunctionRewardSource(import_path, fn)
+
+
+# Async reward functions often hold clients (HTTP, OpenAI) bound to the loop they first ran on, so every
+# call reuses one long-lived loop. It runs in its own thread, so callers may themselves be inside a loop.
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def _reward_loop() -> asyncio.AbstractEventLoop:
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None:
+            _LOOP = asyncio.new_event_loop()
+            threading.Thread(target=_LOOP.run_forever, name="reward-loop", daemon=True).start()
+        return _LOOP
+
+
+def _run(awaitable: Any) -> Any:
+    async def wrap() -> Any:
+        return await awaitable
+
+    return asyncio.run_coroutine_threadsafe(wrap(), _reward_loop()).result()
+
+
+def score_all(
+    sources: Sequence[RewardSource], prompts: list, completions: list[str], completion_ids: list[list[int]],
+    columns: dict[str, list],
+) -> list[Any]:
+    """Each source's raw output, in order; async sources run concurrently, sync ones one after another.
+
+    A source that raises yields its exception in place of a result, so the caller can name it.
+    """
+    kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+    results: list[Any] = [None] * len(sources)
+    pending: dict[int, Any] = {}
+    for i, source in enumerate(sources):
+        try:
+            out = source.fn(**kwargs) if isinstance(source, FunctionRewardSource) else source(**kwargs)
+        except Exception as err:
+            out = err
+        if inspect.isawaitable(out):
+            pending[i] = out
+        else:
+            results[i] = out
+    if pending:
+
+        async def gather() -> list[Any]:
+            return await asyncio.gather(*pending.values(), return_exceptions=True)
+
+        for i, out in zip(pending, _run(gather())):
+            results[i] = out
+    return results
+
+
+# ---------------------------------------------------------------- combination
+
+
+@dataclass
+class RewardResult:
+    """Rewards of N completions from S sources.
+
+    rewards: (N,) float32, weighted sum over the sources that scored each row (0.0 where none did).
+    per_source: (N, S) float32, each source's (clipped) score, NaN where it returned None.
+    scorable: (N,) bool, False where no source scored the row.
+    names: S source names, in column order.
+    """
+
+    rewards: torch.Tensor
+    per_source: torch.Tensor
+    scorable: torch.Tensor
+    names: list[str]
+
+
+def compute_rewards(
+    sources: Sequence[RewardSource],
+    weights: Sequence[float] | None,
+    clip_range: tuple[float, float] | None,
+    prompts: list,
+    completions: list[str],
+    completion_ids: list[list[int]],
+    columns: dict[str, list],
+) -> RewardResult:
+    """Scores N completions with every source, clips each to `clip_range`, and sums them with `weights`."""
+    if not sources:
+        raise RewardError("reward sources: none given; expected a reward model or at least one reward function")
+    weights = [1.0] * len(sources) if weights is None else list(weights)
+    if len(weights) != len(sources):
+        raise RewardError(f"reward_weights: {weights} has {len(weights)} entries; expected {len(sources)}, one per source")
+    n = len(completions)
+    labels = _source_labels(sources)
+    raw = score_all(sources, prompts, completions, completion_ids, columns)
+    per_source = torch.tensor(
+        [_checked_scores(label, out, n) for label, out in zip(labels, raw)], dtype=torch.float32
+    ).T.reshape(n, len(sources))  # (N, S)
+    if clip_range is not None:
+        per_source = per_source.clamp(clip_range[0], clip_range[1])  # NaN stays NaN
+    weighted = per_source * torch.tensor(weights, dtype=torch.float32)  # (N, S)
+    return RewardResult(
+        rewards=weighted.nansum(dim=1),
+        per_source=per_source,
+        scorable=~per_source.isnan().all(dim=1),
+        names=[s.name for s in sources],
+    )
+
+
+def _source_labels(sources: Sequence[RewardSource]) -> list[str]:
+    """Names as the config spells them: `reward_model`, then `reward_funcs[i] module:function`."""
+    labels, func_index = [], 0
+    for source in sources:
+        if isinstance(source, RewardModelSource):
+            labels.append(f"reward_model {source.path}")
+        else:
+            labels.append(f"reward_funcs[{func_index}] {source.name}")
+            func_index += 1
+    return labels
+
+
+def _checked_scores(label: str, out: Any, n: int) -> list[float]:
+    """`out` as N floats (None and NaN -> NaN), or a RewardError saying what was wrong."""
+    if isinstance(out, BaseException):
+        raise RewardError(f"{label} raised {type(out).__name__}: {out}") from out
+    if isinstance(out, torch.Tensor) or hasattr(out, "tolist"):
+        out = out.tolist()
+    if not isinstance(out, (list, tuple)):
+        raise RewardError(f"{label} returned a {type(out).__name__}; expected a list of {n} floats (or None)")
+    if len(out) != n:
+        raise RewardError(f"{label} returned {len(out)} values; expected {n}, one per completion")
+    scores = []
+    for i, value in enumerate(out):
+        if value is None:
+            scores.append(math.nan)
+        elif isinstance(value, Real):
+            if math.isinf(value):
+                raise RewardError(f"{label} returned {value} at row {i}; expected a finite float or None")
+            scores.append(float(value))
+        else:
+            raise RewardError(f"{label} returned a {type(value).__name__} at row {i}; expected a float or None")
+    return scores
+
+
+# ---------------------------------------------------------------- from the config
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+def build_reward_sources(cfg: RLOOConfig, device: str | torch.device) -> list[RewardSource]:
+    """The reward model first (if configured), then each of `reward_funcs`, matching `reward_weights`."""
+    sources: list[RewardSource] = []
+    if cfg.reward_model_name_or_path:
+        sources.append(RewardModelSource(cfg.reward_model_name_or_path, device=device, dtype=_DTYPES[cfg.dtype]))
+    sources.extend(load_reward_function(path) for path in cfg.reward_funcs)
+    return sources
