@@ -140,3 +140,29 @@ def build_reward_model(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def write_prompt_file(path: str | Path, num_prompts: int = 64, seed: int = 0) -> Path:
+    """Writes a jsonl prompt dataset of short synthetic prompts (standard format)."""
+    import json
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    lines = synthetic_corpus(num_prompts, seed=seed + 100)
+    p.write_text("".join(json.dumps({"prompt": " ".join(line.split()[:4])}) + "\n" for line in lines))
+    return p
+
+
+def tiny_assets_main(argv: list[str]) -> int:
+    """`rloo-engine tiny-assets DIR`: a tiny policy + prompt file for `configs/tiny.yaml` (offline, seconds)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="rloo-engine tiny-assets", description=tiny_assets_main.__doc__)
+    parser.add_argument("directory", nargs="?", default=".rloo-tiny")
+    args = parser.parse_args(argv)
+    root = Path(args.directory)
+    tok = train_tokenizer()
+    build_causal_lm(root / "policy", tok, arch="qwen2", hidden=64, layers=2)
+    write_prompt_file(root / "prompts.jsonl")
+    print(f"tiny assets written to {root}/ (policy/, prompts.jsonl)")
+    return 0

@@ -1,0 +1,132 @@
+"""Generation backends: sample G completions per prompt. HF `generate` here; vLLM slots in behind the same interface.
+
+The trainer only sees `GenerationBackend.generate(prompts, num_generations) -> Rollout` and
+`sync_weights(model)`, so a colocated or server vLLM backend needs no trainer change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from rloo_engine.algorithm import completion_mask
+
+
+@dataclass
+class Rollout:
+    """Tokenised prompts and their sampled completions, grouped: rows [k*G, (k+1)*G) share prompt k.
+
+    prompt_ids, prompt_mask: (N, P) left-padded; completion_ids: (N, T) with pad after the first EOS;
+    completion_mask: (N, T) 1 up to and including the first EOS; terminated: (N,) bool.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    terminated: torch.Tensor
+
+
+@dataclass
+class SamplingParams:
+    max_completion_length: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    max_prompt_length: int | None = None
+    extra: dict[str, Any] | None = None
+
+
+class GenerationBackend(Protocol):
+    def generate(self, prompts: list[str], num_generations: int) -> Rollout:
+        """Samples `num_generations` completions for each rendered prompt string."""
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Makes the backend sample from `model`'s current weights (no-op when it samples from `model` itself)."""
+
+
+class HFGenerationBackend:
+    """Samples with `model.generate` on the (unwrapped) training model.
+
+    The prompt prefill runs once per prompt: the prompt's KV cache is computed on P rows and then
+    repeated G times, instead of `num_return_sequences=G` which prefills G copies.
+    """
+
+    def __init__(self, model_getter, tokenizer, params: SamplingParams, shared_prefill: bool = True):
+        self.model_getter = model_getter  # callable returning the unwrapped policy (LoRA-aware)
+        self.tokenizer = tokenizer
+        self.params = params
+        self.shared_prefill = shared_prefill
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        return None
+
+    def _generation_kwargs(self, num_return_sequences: int) -> dict[str, Any]:
+        p = self.params
+        kwargs = dict(
+            do_sample=True,
+            max_new_tokens=p.max_completion_length,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k or 0,
+            repetition_penalty=p.repetition_penalty,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+            num_return_sequences=num_return_sequences,
+        )
+        if p.min_p:
+            kwargs["min_p"] = p.min_p
+        kwargs.update(p.extra or {})
+        return kwargs
+
+    def tokenize_prompts(self, prompts: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-pads and left-truncates prompts (the end of a prompt is what the completion continues)."""
+        tok = self.tokenizer
+        tok.padding_side, tok.truncation_side = "left", "left"
+        max_len = self.params.max_prompt_length
+        enc = tok(prompts, return_tensors="pt", padding=True, truncation=max_len is not None,
+                  max_length=max_len, add_special_tokens=False)
+        return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], num_generations: int) -> Rollout:
+        model = self.model_getter()
+        device = next(model.parameters()).device
+        prompt_ids, prompt_mask = self.tokenize_prompts(prompts, device)
+        was_training = model.training
+        model.eval()
+        try:
+            if self.shared_prefill and prompt_ids.size(1) > 1:
+                sequences = self._generate_shared_prefill(model, prompt_ids, prompt_mask, num_generations)
+            else:
+                sequences = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
+                                           **self._generation_kwargs(num_generations))
+        finally:
+            model.train(was_training)
+        prompt_ids = prompt_ids.repeat_interleave(num_generations, 0)
+        prompt_mask = prompt_mask.repeat_interleave(num_generations, 0)
+        completion_ids = sequences[:, prompt_ids.size(1):]
+        mask, terminated = completion_mask(completion_ids, self.tokenizer.eos_token_id)
+        completion_ids = torch.where(mask.bool(), completion_ids, torch.full_like(completion_ids, self.tokenizer.pad_token_id))
+        return Rollout(prompt_ids, prompt_mask, completion_ids, mask, terminated)
+
+    def _generate_shared_prefill(self, model, prompt_ids, prompt_mask, g: int) -> torch.Tensor:
+        """Prefills prompt[:, :-1] once, repeats the cache G times, lets `generate` continue from the last token."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+        prefix_mask = prompt_mask[:, :-1]
+        position_ids = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
+        model(input_ids=prompt_ids[:, :-1], attention_mask=prefix_mask, position_ids=position_ids,
+              past_key_values=cache, use_cache=True)
+        cache.batch_repeat_interleave(g)
+        return model.generate(
+            input_ids=prompt_ids.repeat_interleave(g, 0),
+            attention_mask=prompt_mask.repeat_interleave(g, 0),
+            past_key_values=cache,
+            **self._generation_kwargs(1),
+        )

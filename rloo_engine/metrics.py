@@ -1,0 +1,82 @@
+"""Metric sinks: `output_dir/metrics.jsonl` always, MLflow when configured; rank 0 only.
+
+MLflow is used through `MlflowClient` against an explicit run id, never the fluent active run:
+the launching task owns the run's lifecycle (FINISHED / FAILED / KILLED), the engine only logs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: str | Path, enabled: bool, run_name: str | None = None, params: dict | None = None):
+        self.enabled = enabled
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.client = None
+        self.run_id: str | None = None
+        self.owns_run = False
+        if enabled:
+            self._connect_mlflow(run_name, params or {})
+
+    def _connect_mlflow(self, run_name: str | None, params: dict[str, Any]) -> None:
+        run_id = os.environ.get("MLFLOW_RUN_ID")
+        if not run_id and not os.environ.get("MLFLOW_TRACKING_URI"):
+            return
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient()
+        if run_id:
+            self.run_id = run_id
+            return
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "rloo-engine")
+        exp = self.client.get_experiment_by_name(name)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(name)
+        self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
+        self.owns_run = True
+        self.log_params(params)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        if self.client is None:
+            return
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, drop lines logged after the checkpoint so the file reads as one clean run."""
+        if not self.enabled or not self.path.exists():
+            return
+        kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+        self.path.write_text("".join(ln + "\n" for ln in kept))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as fh:
+            fh.write(json.dumps({"step": step, **clean}) + "\n")
+        if self.client is not None:
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            batch = [Metric(k, v, now, step) for k, v in clean.items()]
+            for i in range(0, len(batch), 500):
+                self.client.log_batch(self.run_id, metrics=batch[i : i + 500])
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        if self.enabled and self.client is not None and Path(path).exists():
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """Ends the run only if the engine created it; a run handed in via MLFLOW_RUN_ID stays open."""
+        if self.client is not None and self.owns_run:
+            self.client.set_terminated(self.run_id, status)

@@ -1,0 +1,31 @@
+"""Example reward functions, usable by import path (`rloo_engine.reward_functions:<name>`) and as templates.
+
+A reward function receives keyword lists (`prompts`, `completions`, `completion_ids`, plus every
+extra dataset column) and returns one float per completion, or None where it cannot judge.
+"""
+
+from __future__ import annotations
+
+import os
+
+TARGET_WORD = os.environ.get("RLOO_TARGET_WORD", "the")
+
+
+def target_word_fraction(completions: list[str], **_) -> list[float]:
+    """Fraction of whitespace-separated words equal to TARGET_WORD (env `RLOO_TARGET_WORD`, default "the")."""
+    scores = []
+    for text in completions:
+        words = text.split()
+        scores.append(sum(w == TARGET_WORD for w in words) / len(words) if words else 0.0)
+    return scores
+
+
+def brevity(completion_ids: list[list[int]], **_) -> list[float]:
+    """1 / (1 + number of completion tokens): prefers short answers."""
+    return [1.0 / (1 + len(ids)) for ids in completion_ids]
+
+
+def char_fraction(completions: list[str], **_) -> list[float]:
+    """Fraction of characters equal to TARGET_CHAR (env `RLOO_TARGET_CHAR`, default "e"): a dense toy reward."""
+    target = os.environ.get("RLOO_TARGET_CHAR", "e")
+    return [text.count(target) / len(text) if text else 0.0 for text in completions]

@@ -1,0 +1,102 @@
+"""Builds one generation batch: sample G completions per prompt, score them, compute KL and advantages.
+
+This is the only place where a batch is assembled; the trainer then slices it into micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from rloo_engine import algorithm as A
+
+
+@dataclass
+class GenerationBatch:
+    """Everything the loss needs for N = num_prompts * G completions on this process.
+
+    input_ids, attention_mask: (N, P + T) prompt then completion; completion_mask: (N, T);
+    advantages: (N,); loss_weights: (N,) 0 for rows excluded from the loss;
+    old_token_logps: (N, T) sampling-policy log-probs, None when fully on-policy.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    advantages: torch.Tensor
+    loss_weights: torch.Tensor
+    old_token_logps: torch.Tensor | None
+    prompt_length: int
+
+    def micro_batch(self, index: int, size: int) -> dict[str, Any]:
+        rows = slice(index * size, (index + 1) * size)
+        out = {k: v[rows] for k, v in asdict(self).items() if isinstance(v, torch.Tensor)}
+        out["old_token_logps"] = self.old_token_logps[rows] if self.old_token_logps is not None else None
+        out["prompt_length"] = self.prompt_length
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any], device: torch.device) -> "GenerationBatch":
+        return cls(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in state.items()})
+
+
+def completion_token_logps(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_length: int,
+    temperature: float,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs of the completion part. input_ids, attention_mask: (B, P + T) -> (B, T) each.
+
+    Only the T completion positions' logits are computed by the LM head (`logits_to_keep`), so the
+    prompt never costs a vocabulary-sized projection.
+    """
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    completion_len = input_ids.size(1) - prompt_length
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=completion_len + 1,
+        use_cache=False,
+    ).logits
+    logits = logits[:, :-1]  # position t predicts token t + 1
+    return A.token_log_probs(logits, input_ids[:, prompt_length:], temperature, with_entropy)
+
+
+@torch.no_grad()
+def batched_token_logps(model, input_ids, attention_mask, prompt_length, temperature, batch_size) -> torch.Tensor:
+    """No-grad `completion_token_logps` over a whole generation batch, `batch_size` rows at a time."""
+    parts = [
+        completion_token_logps(model, input_ids[i : i + batch_size], attention_mask[i : i + batch_size],
+                               prompt_length, temperature)[0]
+        for i in range(0, input_ids.size(0), batch_size)
+    ]
+    return torch.cat(parts)
+
+
+def group_reward_std(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """Std of rewards within each prompt's group. rewards: (P * G,) -> (P,)."""
+    return rewards.view(-1, num_generations).std(-1)
+
+
+def completion_length_metrics(completion_mask: torch.Tensor, terminated: torch.Tensor) -> dict[str, float]:
+    """TRL's `completions/*` metrics for one generation batch. completion_mask: (N, T); terminated: (N,)."""
+    lengths = completion_mask.sum(-1).float()
+    done = lengths[terminated]
+    return {
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": (~terminated).float().mean().item(),
+        "completions/mean_terminated_length": done.mean().item() if done.numel() else 0.0,
+        "completions/min_terminated_length": done.min().item() if done.numel() else 0.0,
+        "completions/max_terminated_length": done.max().item() if done.numel() else 0.0,
+    }

@@ -1,0 +1,322 @@
+"""The RLOO trainer: an explicit accelerate loop (generate -> score -> advantages -> loss -> step -> log -> save).
+
+Read `train()` top to bottom for the whole algorithm. Groups of G completions never cross a process:
+each process samples its own prompts, so the leave-one-out baseline needs no communication.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from rloo_engine import algorithm as A
+from rloo_engine import checkpoint as ckpt
+from rloo_engine.config import RLOOConfig, save_config
+from rloo_engine.data import PromptSampler, extra_columns, load_prompt_dataset, render_prompt
+from rloo_engine.generation import GenerationBackend, HFGenerationBackend, SamplingParams
+from rloo_engine.metrics import MetricsLogger
+from rloo_engine.models import load_policy, load_reference, load_tokenizer, reference_context, sync_reference
+from rloo_engine.rewards import build_reward_sources, compute_rewards
+from rloo_engine.rollout import (
+    GenerationBatch,
+    batched_token_logps,
+    completion_length_metrics,
+    completion_token_logps,
+    group_reward_std,
+)
+
+CRASH_ENV = "RLOO_ENGINE_CRASH_AT_STEP"  # fault injection for retry tests: exit after this step's checkpoint
+
+
+@dataclass
+class TrainResult:
+    global_step: int
+    final_dir: Path | None
+    metrics_path: Path
+    last_metrics: dict[str, float]
+
+
+class RLOOTrainer:
+    def __init__(self, cfg: RLOOConfig, backend: GenerationBackend | None = None):
+        self.cfg = cfg
+        precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "no"
+        self.acc = Accelerator(gradient_accumulation_steps=cfg.gradient_accumulation_steps, mixed_precision=precision)
+        self.steps_per_generation = cfg.steps_per_generation_for(self.acc.num_processes)
+        self.on_policy = cfg.num_iterations == 1 and cfg.gradient_accumulation_steps % self.steps_per_generation == 0
+        set_seed(cfg.seed)
+        # Cheap checks first: a bad dataset or reward function fails before any model is loaded.
+        self.dataset = load_prompt_dataset(cfg.dataset_name, cfg.dataset_config, cfg.dataset_train_split)
+        self.tokenizer = load_tokenizer(cfg.model_name_or_path)
+        self.reward_sources = build_reward_sources(cfg, self.acc.device)
+        self.policy = load_policy(cfg)
+        self.ref = load_reference(cfg)
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
+        )
+        self.total_steps = self._total_steps()
+        warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * self.total_steps)
+        # Not passed to accelerate.prepare: its wrapper steps num_processes times per call.
+        self.scheduler = get_scheduler(cfg.lr_scheduler_type, self.optimizer, warmup, self.total_steps)
+        self.policy, self.optimizer = self.acc.prepare(self.policy, self.optimizer)
+        self.acc.register_for_checkpointing(self.scheduler)
+        ckpt.install_state_hooks(self.acc, self.policy)
+        if self.ref is not None:
+            self.ref = self.ref.to(self.acc.device)
+        self.backend = backend or HFGenerationBackend(
+            lambda: self.acc.unwrap_model(self.policy), self.tokenizer, self._sampling_params()
+        )
+        self.sampler = PromptSampler(len(self.dataset), cfg.seed, cfg.shuffle_dataset,
+                                     self.acc.process_index, self.acc.num_processes)
+        self.logger = MetricsLogger(cfg.output_dir, self.acc.is_main_process, cfg.run_name,
+                                    {f"train.{k}": v for k, v in cfg.model_dump().items()})
+        self.global_step = 0
+        self.batch: GenerationBatch | None = None
+        self.cursor = 0  # micro-batches of `self.batch` consumed, over all its iterations
+        self.window: dict[str, list[float]] = defaultdict(list)
+        self.last_samples: list[dict] = []
+
+    # ------------------------------------------------------------------ setup helpers
+    def _sampling_params(self) -> SamplingParams:
+        c = self.cfg
+        return SamplingParams(c.max_completion_length, c.temperature, c.top_p, c.top_k, c.min_p,
+                              c.repetition_penalty, c.max_prompt_length, c.generation_kwargs)
+
+    def _total_steps(self) -> int:
+        if self.cfg.max_steps > 0:
+            return self.cfg.max_steps
+        prompts_per_step = (self.cfg.per_device_train_batch_size * self.cfg.gradient_accumulation_steps
+                            * self.acc.num_processes) / self.cfg.num_generations / self.cfg.num_iterations
+        return max(1, math.ceil(self.cfg.num_train_epochs * len(self.dataset) / prompts_per_step))
+
+    @contextmanager
+    def _timed(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.window[f"timing/{name}"].append(time.perf_counter() - start)
+
+    # ------------------------------------------------------------------ one generation batch
+    @torch.no_grad()
+    def generation_step(self) -> GenerationBatch:
+        """Samples prompts, generates G completions each, scores them and computes advantages."""
+        c, G = self.cfg, self.cfg.num_generations
+        num_prompts = c.per_device_train_batch_size * self.steps_per_generation // G
+        rows = [self.dataset[i] for i in self.sampler.next_indices(num_prompts)]
+        prompts = [r["prompt"] for r in rows]
+        rendered = [render_prompt(self.tokenizer, p, c.chat_template_kwargs) for p in prompts]
+
+        with self._timed("generation"):
+            rollout = self.backend.generate(rendered, G)
+        completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        completion_ids = [ids[m.bool()].tolist() for ids, m in zip(rollout.completion_ids, rollout.completion_mask)]
+
+        with self._timed("reward"):
+            columns = {k: [v for v in col for _ in range(G)] for k, col in extra_columns(rows).items()}
+            scored = compute_rewards(self.reward_sources, c.reward_weights, c.reward_clip_range,
+                                     [p for p in prompts for _ in range(G)], completions, completion_ids, columns)
+        rewards = scored.rewards.to(self.acc.device)
+        valid = scored.scorable.to(self.acc.device)
+
+        input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+        attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
+        P, mask = rollout.prompt_ids.size(1), rollout.completion_mask
+        old_logps, kl = None, torch.zeros_like(rewards)
+        with self._timed("reference"):
+            if c.beta > 0 or not self.on_policy:
+                old_logps = batched_token_logps(self.policy, input_ids, attention_mask, P, c.temperature,
+                                                c.per_device_train_batch_size)
+            if c.beta > 0:
+                with reference_context(self.acc.unwrap_model(self.policy), self.ref):
+                    ref_logps = batched_token_logps(self.ref or self.policy, input_ids, attention_mask, P,
+                                                    c.temperature, c.per_device_train_batch_size)
+                kl = A.sequence_kl(old_logps, ref_logps, mask)
+
+        total_reward = rewards - c.beta * kl
+        advantages = A.leave_one_out_advantages(total_reward, G, valid)
+        if c.normalize_advantages:
+            advantages = A.normalize_advantages(advantages, valid)
+        loss_weights = valid.float()
+        if c.mask_truncated_completions:
+            loss_weights = loss_weights * rollout.terminated.float()
+
+        self._record_generation_metrics(scored, rewards, valid, kl, rollout, G)
+        self.last_samples = [
+            {"prompt": r, "completion": t, "reward": float(rw), "advantage": float(a)}
+            for r, t, rw, a in zip([p for p in rendered for _ in range(G)], completions, rewards, advantages)
+        ]
+        return GenerationBatch(input_ids, attention_mask, mask, advantages, loss_weights,
+                               None if self.on_policy else old_logps, P)
+
+    def _record_generation_metrics(self, scored, rewards, valid, kl, rollout, G) -> None:
+        w = self.window
+        w["reward"].append(rewards[valid].mean().item() if valid.any() else float("nan"))
+        w["reward_std"].append(rewards[valid].std().item() if valid.sum() > 1 else 0.0)
+        w["frac_reward_zero_std"].append((group_reward_std(rewards, G) < 1e-6).float().mean().item())
+        w["frac_unscorable"].append((~valid).float().mean().item())
+        w["kl"].append(kl.mean().item())
+        w["num_tokens"].append(float(rollout.prompt_mask.sum() + rollout.completion_mask.sum()))
+        for j, name in enumerate(scored.names):
+            col = scored.per_source[:, j]
+            col = col[~torch.isnan(col)]
+            w[f"rewards/{name}/mean"].append(col.mean().item() if col.numel() else float("nan"))
+            w[f"rewards/{name}/std"].append(col.std().item() if col.numel() > 1 else 0.0)
+        for k, v in completion_length_metrics(rollout.completion_mask, rollout.terminated).items():
+            w[k].append(v)
+
+    # ------------------------------------------------------------------ the loss of one micro-batch
+    def loss(self, mb: dict) -> torch.Tensor:
+        """Clipped sequence-ratio loss; on-policy the old log-probs are this forward's, detached (ratio == 1)."""
+        c = self.cfg
+        token_logps, entropy = completion_token_logps(self.policy, mb["input_ids"], mb["attention_mask"],
+                                                      mb["prompt_length"], c.temperature, with_entropy=True)
+        mask = mb["completion_mask"]
+        old = mb["old_token_logps"] if mb["old_token_logps"] is not None else token_logps.detach()
+        seq_logps = A.sequence_log_probs(token_logps, mask)
+        loss, ratio = A.clipped_sequence_loss(seq_logps, A.sequence_log_probs(old, mask), mb["advantages"],
+                                              c.epsilon, c.effective_epsilon_high, mb["loss_weights"])
+        clip = A.clip_ratio_metrics(ratio, mb["advantages"], c.epsilon, c.effective_epsilon_high, mb["loss_weights"])
+        self.window["entropy"].append(((entropy * mask).sum() / mask.sum().clamp(min=1)).item())
+        for k, v in clip.items():
+            self.window[f"clip_ratio/{k}"].append(v.item())
+        self.window["loss"].append(loss.item())
+        return loss
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> TrainResult:
+        c = self.cfg
+        out = Path(c.output_dir)
+        if self.acc.is_main_process:
+            out.mkdir(parents=True, exist_ok=True)
+            save_config(c, out / "config.yaml")
+        start_step = self._maybe_resume()
+        crash_at = int(os.environ.get(CRASH_ENV, "0"))
+        micro_per_batch = self.steps_per_generation * c.num_iterations
+        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="rloo", unit="step", dynamic_ncols=True,
+                   disable=not self.acc.is_main_process or c.disable_tqdm)
+        step_start, last = time.perf_counter(), {}
+        self.policy.train()
+        while self.global_step < self.total_steps:
+            if self.batch is None or self.cursor == micro_per_batch:
+                self.batch, self.cursor = self.generation_step(), 0
+            mb = self.batch.micro_batch(self.cursor % self.steps_per_generation, c.per_device_train_batch_size)
+            self.cursor += 1
+            with self._timed("policy_update"), self.acc.accumulate(self.policy):
+                loss = self.loss(mb)
+                self.acc.backward(loss)
+                if self.acc.sync_gradients and c.max_grad_norm:
+                    self.window["grad_norm"].append(float(self.acc.clip_grad_norm_(self.policy.parameters(), c.max_grad_norm)))
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            if not self.acc.sync_gradients:
+                continue
+            # ---- an optimizer step is complete
+            self.window["learning_rate"].append(self.scheduler.get_last_lr()[0])
+            self.scheduler.step()
+            self.global_step += 1
+            self.window["step_time"].append(time.perf_counter() - step_start)
+            step_start = time.perf_counter()
+            if c.sync_ref_model and self.ref is not None and self.global_step % c.ref_model_sync_steps == 0:
+                sync_reference(self.acc.unwrap_model(self.policy), self.ref, c.ref_model_mixup_alpha)
+            if self.global_step % c.logging_steps == 0 or self.global_step == self.total_steps:
+                last = self._log()
+                bar.set_postfix(reward=f"{last.get('reward', float('nan')):.3f}", kl=f"{last.get('kl', 0):.3f}")
+            bar.update(1)
+            if c.save_steps and self.global_step % c.save_steps == 0 and self.global_step < self.total_steps:
+                self._save()
+            if crash_at and self.global_step == crash_at and start_step < crash_at:
+                self.acc.wait_for_everyone()
+                print(f"rloo-engine: {CRASH_ENV}={crash_at} reached; exiting to simulate a crash", file=sys.stderr)
+                sys.exit(3)
+        bar.close()
+        final = ckpt.save_final(self.acc, self.policy, self.tokenizer, out)
+        self._finish_logging(out)
+        return TrainResult(self.global_step, final, self.logger.path, last)
+
+    # ------------------------------------------------------------------ logging, saving, resuming
+    def _log(self) -> dict[str, float]:
+        """Means over the window since the last log, averaged over processes (rank 0 writes)."""
+        names = sorted(self.window)
+        local = torch.tensor([_nanmean(self.window[k]) for k in names], device=self.acc.device, dtype=torch.float64)
+        everyone = self.acc.gather(local.unsqueeze(0))  # (num_processes, K)
+        metrics = dict(zip(names, torch.nanmean(everyone, 0).tolist()))
+        for k in ("completions/min_length", "completions/min_terminated_length", "clip_ratio/low"):
+            if k in metrics:
+                metrics[k.replace("clip_ratio/low", "clip_ratio/low_min")] = everyone[:, names.index(k)].min().item()
+        for k in ("completions/max_length", "completions/max_terminated_length", "clip_ratio/high"):
+            if k in metrics:
+                metrics[k.replace("clip_ratio/high", "clip_ratio/high_max")] = everyone[:, names.index(k)].max().item()
+        for k in ("low", "high", "region"):
+            if f"clip_ratio/{k}" in metrics:
+                metrics[f"clip_ratio/{k}_mean"] = metrics.pop(f"clip_ratio/{k}")
+        metrics["epoch"] = self.sampler.epoch + self.sampler.state_dict()["position"] / len(self.dataset)
+        self.logger.log(self.global_step, metrics)
+        if self.cfg.log_completions and self.acc.is_main_process:
+            self._log_completions()
+        self.window.clear()
+        return metrics
+
+    def _log_completions(self) -> None:
+        n = self.cfg.num_completions_to_print or self.cfg.num_generations
+        rows = [{"step": self.global_step, **r} for r in self.last_samples]
+        with (Path(self.cfg.output_dir) / "completions.jsonl").open("a") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in rows)
+        for r in rows[:n]:
+            tqdm.write(f"[step {r['step']}] reward={r['reward']:+.3f} adv={r['advantage']:+.3f} "
+                       f"{r['prompt'][-60:]!r} -> {r['completion'][:120]!r}")
+
+    def _trainer_state(self) -> dict:
+        return {"global_step": self.global_step, "sampler": self.sampler.state_dict(), "cursor": self.cursor,
+                "total_steps": self.total_steps, "num_processes": self.acc.num_processes}
+
+    def _save(self) -> None:
+        rank_state = {"batch": self.batch.state_dict() if self.batch is not None else None, "cursor": self.cursor,
+                      "window": dict(self.window)}
+        ckpt.save_checkpoint(self.acc, self.policy, self.tokenizer, self.cfg.output_dir, self.global_step,
+                             self._trainer_state(), rank_state, self.cfg.save_total_limit)
+
+    def _maybe_resume(self) -> int:
+        path = ckpt.resolve_resume(self.cfg.resume_from_checkpoint, self.cfg.output_dir)
+        if path is None:
+            return 0
+        state, rank_state = ckpt.load_checkpoint(self.acc, path)
+        self.global_step = state["global_step"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.cursor = rank_state["cursor"]
+        if rank_state["batch"] is not None:
+            self.batch = GenerationBatch.from_state_dict(rank_state["batch"], self.acc.device)
+        self.window = defaultdict(list, rank_state["window"])
+        self.logger.truncate_after(self.global_step)
+        if self.acc.is_main_process:
+            print(f"rloo-engine: resumed from {path} at step {self.global_step}", file=sys.stderr)
+        return self.global_step
+
+    def _finish_logging(self, out: Path) -> None:
+        if not self.acc.is_main_process:
+            return
+        self.logger.log_artifact(out / "config.yaml")
+        self.logger.log_artifact(out / "metrics.jsonl")
+        self.logger.log_artifact(out / "completions.jsonl")
+        self.logger.finish()
+
+
+def _nanmean(values: list[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return sum(finite) / len(finite) if finite else float("nan")
+
+
+def train(cfg: RLOOConfig) -> TrainResult:
+    """Entry point of `rloo-engine train`."""
+    return RLOOTrainer(cfg).train()
