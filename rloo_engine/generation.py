@@ -122,11 +122,11 @@ class HFGenerationBackend:
         prefix_mask = prompt_mask[:, :-1]
         position_ids = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
         model(input_ids=prompt_ids[:, :-1], attention_mask=prefix_mask, position_ids=position_ids,
-              past_key_values=cache, use_cache=True)
+              cache=cache, use_cache=True)
         cache.batch_repeat_interleave(g)
         return model.generate(
             input_ids=prompt_ids.repeat_interleave(g, 0),
             attention_mask=prompt_mask.repeat_interleave(g, 0),
-            past_key_values=cache,
+            cache=cache,
             **self._generation_kwargs(1),
         )

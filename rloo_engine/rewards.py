@@ -158,8 +158,10 @@ def _load_or_raise(path: str, load: Any) -> Any:
 class FunctionRewardSource:
     """A user function `fn(prompts=, completions=, completion_ids=, **columns) -> list[float | None]`, sync or async."""
 
-    def __init__(self, name: str, fn: Any):
-        self.name, self.fn = name, fn
+    def __init__(self, import_path: str, fn: Any):
+        # Metrics use the bare function name, as TRL does (`rewards/<name>/mean`); errors use the full path.
+        self.import_path, self.fn = import_path, fn
+        self.name = import_path.rpartition(":")[2].rpartition(".")[2]
 
     def __call__(
         self, prompts: list, completions: list[str], completion_ids: list[list[int]], **columns: list
@@ -297,7 +299,7 @@ def _source_labels(sources: Sequence[RewardSource]) -> list[str]:
         if isinstance(source, RewardModelSource):
             labels.append(f"reward_model {source.path}")
         else:
-            labels.append(f"reward_funcs[{func_index}] {source.name}")
+            labels.append(f"reward_funcs[{func_index}] {getattr(source, 'import_path', source.name)}")
             func_index += 1
     return labels
 

@@ -1,6 +1,6 @@
 """Tests for rloo_engine.rewards: reward model scoring, reward functions, and their weighted combination.
 
-The reward functions below are referenced by import path (`tests.test_rewards:number_reward`),
+The reward functions below are referenced by import path (`tests.engine.test_rewards:number_reward`),
 the way a config names them.
 """
 
@@ -25,7 +25,7 @@ from rloo_engine.rewards import (
     load_reward_function,
 )
 
-HERE = "tests.test_rewards"
+HERE = "tests.engine.test_rewards"
 TEXTS = ["the cat", "a quick brown fox jumps over the lazy dog", "sun", "the big red house in the garden sings"]
 
 
@@ -113,7 +113,7 @@ def _score(sources, completions, weights=None, clip_range=None, **columns):
 def test_loaded_function_is_a_reward_source_named_by_path():
     source = load_reward_function(f"{HERE}:number_reward")
     assert isinstance(source, RewardSource)
-    assert source.name == f"{HERE}:number_reward"
+    assert source.name == "number_reward" and source.import_path == f"{HERE}:number_reward"
     assert source(prompts=["p"], completions=["2.5"], completion_ids=[[1]]) == [2.5]
 
 
@@ -151,7 +151,7 @@ def test_weights_none_values_and_scorable_mask():
     assert torch.equal(result.per_source.isnan(), torch.tensor([[False, False], [False, True], [True, False], [True, True]]))
     assert torch.allclose(result.per_source, torch.tensor([[1, 10], [2, nan], [nan, 10], [nan, nan]]), equal_nan=True)
     assert result.scorable.tolist() == [True, True, True, False]
-    assert result.names == [f"{HERE}:number_reward", f"{HERE}:skip_reward"]
+    assert result.names == ["number_reward", "skip_reward"]
 
 
 def test_weights_default_to_one():
@@ -289,7 +289,7 @@ def test_build_reward_sources_puts_reward_model_first(qwen2_model, reward_model)
     )
     sources = build_reward_sources(cfg, "cpu")
     assert isinstance(sources[0], RewardModelSource)
-    assert [s.name for s in sources] == ["reward_model", f"{HERE}:number_reward", f"{HERE}:skip_reward"]
+    assert [s.name for s in sources] == ["reward_model", "number_reward", "skip_reward"]
     result = compute_rewards(
         sources, cfg.reward_weights, None, ["p", "p"], ["1", "-"], [[1], [2]], {"skip": [False, False]}
     )

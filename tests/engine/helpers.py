@@ -1,0 +1,81 @@
+"""Test helpers for engine runs: tiny configs, reward functions referenced by import path, metric readers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from rloo_engine.config import RLOOConfig, build_config
+
+# Token ids 10..41 of the 320-token test tokenizer: about 10% of a random policy's samples.
+TARGET_IDS = set(range(10, 42))
+
+
+def target_token_fraction(completion_ids, **_):
+    """Fraction of completion tokens in TARGET_IDS: dense enough for a tiny policy to learn in a few dozen steps."""
+    return [sum(t in TARGET_IDS for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+TOPIC_OFFSET = {w: 2.0 * i for i, w in enumerate("the cat dog sat ran on mat tree red blue".split())}
+
+
+def target_fraction_plus_prompt_offset(completion_ids, topic, **_):
+    """target_token_fraction plus a large per-prompt constant (0..18, from the `topic` column).
+
+    The leave-one-out baseline cancels the constant exactly; a missing baseline or groups that
+    mix prompts turn it into noise that swamps the learning signal.
+    """
+    return [f + TOPIC_OFFSET[t] for f, t in zip(target_token_fraction(completion_ids), topic)]
+
+
+async def async_length_reward(completions, **_):
+    await asyncio.sleep(0)
+    return [len(c) / 100 for c in completions]
+
+
+def sometimes_none_reward(completions, **_):
+    """None for every other completion: those rows are unscorable for this function."""
+    return [None if i % 2 else 1.0 for i, _ in enumerate(completions)]
+
+
+def never_scores(completions, **_):
+    return [None] * len(completions)
+
+
+def prompt_file(tmp_path: Path, n: int = 32, conversational: bool = False) -> Path:
+    words = "the cat dog sat ran on mat tree red blue".split()
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / ("chat.jsonl" if conversational else "prompts.jsonl")
+    with path.open("w") as fh:
+        for i in range(n):
+            text = " ".join(words[(i + j) % len(words)] for j in range(3))
+            prompt = [{"role": "user", "content": text}] if conversational else text
+            fh.write(json.dumps({"prompt": prompt, "topic": words[i % len(words)]}) + "\n")
+    return path
+
+
+def tiny_config(tmp_path: Path, model: Path, **overrides) -> RLOOConfig:
+    values = dict(
+        model_name_or_path=str(model),
+        dataset_name=str(prompt_file(tmp_path)),
+        reward_funcs=["tests.engine.helpers:target_token_fraction"],
+        output_dir=str(tmp_path / "out"),
+        num_generations=4,
+        per_device_train_batch_size=8,
+        max_completion_length=6,
+        max_prompt_length=16,
+        learning_rate=1e-3,
+        beta=0.0,
+        max_steps=4,
+        logging_steps=1,
+        save_steps=0,
+        disable_tqdm=True,
+        seed=0,
+    )
+    values.update(overrides)
+    return build_config(values)
+
+
+def read_metrics(output_dir: str | Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines() if line]
