@@ -9,13 +9,15 @@ import datasets
 import pyarrow.compute as pc
 import torch
 
+from rloo_engine.config import ConfigError
+
 # Builder name of each data-file suffix `datasets.load_dataset` understands.
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 # Keyword names the reward call itself uses; a dataset column with one of them would collide.
 _RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")
 
 
-class DataError(ValueError):
+class DataError(ConfigError):
     """A prompt dataset is missing or malformed; the message names the dataset and what was expected."""
 
 

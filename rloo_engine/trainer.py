@@ -53,7 +53,9 @@ class RLOOTrainer:
     def __init__(self, cfg: RLOOConfig, backend: GenerationBackend | None = None):
         self.cfg = cfg
         precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "no"
-        self.acc = Accelerator(gradient_accumulation_steps=cfg.gradient_accumulation_steps, mixed_precision=precision)
+        # Without an accelerator, `cpu=True` lets a torchrun-style launch form a gloo process group (MULTI_CPU).
+        self.acc = Accelerator(gradient_accumulation_steps=cfg.gradient_accumulation_steps, mixed_precision=precision,
+                               cpu=not torch.accelerator.is_available())
         self.steps_per_generation = cfg.steps_per_generation_for(self.acc.num_processes)
         self.on_policy = cfg.num_iterations == 1 and cfg.gradient_accumulation_steps % self.steps_per_generation == 0
         set_seed(cfg.seed)

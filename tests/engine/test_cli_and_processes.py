@@ -1,0 +1,131 @@
+"""The command line (YAML + TRL-style flags) and multi-process runs under `accelerate launch`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rloo_engine.cli import parse_train_args
+from rloo_engine.config import ConfigError
+from tests.engine.helpers import prompt_file, read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    env.pop("MLFLOW_RUN_ID", None)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, **kw)
+
+
+def test_trl_command_line_runs(tmp_path, qwen2_model, reward_model):
+    """A `trl rloo` command line with `trl rloo` swapped for `rloo-engine train`."""
+    data = prompt_file(tmp_path)
+    out = tmp_path / "out"
+    trl_args = [
+        "--model_name_or_path", str(qwen2_model), "--reward_model_name_or_path", str(reward_model),
+        "--dataset_name", str(data), "--output_dir", str(out), "--per_device_train_batch_size", "4",
+        "--num_generations", "4", "--max_completion_length", "6", "--beta", "0.05", "--learning_rate", "3e-6",
+        "--max_steps", "2", "--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.0",
+        "--lora_target_modules", "q_proj", "v_proj", "--logging_steps", "1", "--report_to", "none",
+        "--gradient_accumulation_steps", "1", "--torch_dtype", "float32", "--seed", "1",
+    ]
+    proc = run([sys.executable, "-m", "rloo_engine", "train", *trl_args, "--disable_tqdm"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ignoring TRL flags with no effect here: report_to" in proc.stderr
+    assert (out / "final" / "config.json").is_file()
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+def test_yaml_config_with_flag_overrides(tmp_path):
+    cfg_file = tmp_path / "cfg.yaml"
+    cfg_file.write_text(yaml.safe_dump({"model_name_or_path": "m", "dataset_name": "d.jsonl",
+                                        "reward_funcs": ["a:b"], "learning_rate": 1e-5, "beta": 0.2}))
+    cfg = parse_train_args(["--config", str(cfg_file), "--learning_rate", "3e-6", "--use_peft",
+                            "--lora_target_modules", "q_proj", "v_proj", "--generation_kwargs", '{"top_k": 5}'])
+    assert cfg.learning_rate == 3e-6 and cfg.beta == 0.2 and cfg.use_peft
+    assert cfg.lora_target_modules == ["q_proj", "v_proj"] and cfg.generation_kwargs == {"top_k": 5}
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num_generations", "1"], "num_generations: 1"),
+        (["--per_device_train_batch_size", "6", "--num_generations", "4"], "not divisible by num_generations=4"),
+        (["--epsilon", "0"], "epsilon: 0.0; expected > 0"),
+        (["--steps_per_generation", "2", "--generation_batch_size", "8"], "both set"),
+        (["--generation_batch_size", "6"], "generation_batch_size: 6 is not divisible by num_generations=4"),
+        (["--reward_weights", "1", "2"], "reward_weights: [1.0, 2.0] has 2 entries; expected 1"),
+        (["--learning_rate", "-1"], "learning_rate"),
+        (["--lr_scheduler_type", "wobbly"], "lr_scheduler_type: 'wobbly'"),
+    ],
+)
+def test_bad_values_are_named(flags, message):
+    base = ["--model_name_or_path", "m", "--dataset_name", "d", "--reward_funcs", "a:b", "--num_generations", "4",
+            "--per_device_train_batch_size", "8"]
+    with pytest.raises(ConfigError) as err:
+        parse_train_args(base + flags)
+    assert message in str(err.value)
+
+
+def test_unknown_yaml_key_and_missing_file_are_named(tmp_path):
+    cfg_file = tmp_path / "cfg.yaml"
+    cfg_file.write_text("model_name_or_path: m\ndataset_name: d\nreward_funcs: [a:b]\nlearning_rte: 1\n")
+    with pytest.raises(ConfigError, match="learning_rte: unknown option"):
+        parse_train_args(["--config", str(cfg_file)])
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse_train_args(["--config", str(tmp_path / "nope.yaml")])
+
+
+def test_cli_reports_errors_before_loading_models(tmp_path):
+    proc = run([sys.executable, "-m", "rloo_engine", "train", "--model_name_or_path", str(tmp_path / "missing"),
+                "--dataset_name", str(prompt_file(tmp_path)), "--reward_funcs", "rloo_engine.reward_functions:brevity"])
+    assert proc.returncode == 2
+    assert f"model_name_or_path: cannot load a tokenizer from '{tmp_path / 'missing'}'" in proc.stderr
+    proc = run([sys.executable, "-m", "rloo_engine", "train", "--model_name_or_path", "m", "--dataset_name",
+                str(tmp_path / "nope.jsonl"), "--reward_funcs", "rloo_engine.reward_functions:brevity"])
+    assert proc.returncode == 2 and "nope.jsonl" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_two_process_accelerate_run_keeps_ranks_identical(tmp_path, qwen2_model):
+    out = tmp_path / "out"
+    args = ["--model_name_or_path", str(qwen2_model), "--dataset_name", str(prompt_file(tmp_path)),
+            "--reward_funcs", "tests.engine.helpers:target_token_fraction", "--output_dir", str(out),
+            "--num_generations", "4", "--per_device_train_batch_size", "4", "--max_completion_length", "6",
+            "--beta", "0.05", "--learning_rate", "1e-2", "--max_steps", "3", "--logging_steps", "1",
+            "--save_steps", "2", "--disable_tqdm"]
+    # accelerate's `--cpu` launcher forks several processes only through mpirun; `--multi_gpu` launches
+    # through torchrun, and the engine forms a gloo group when there is no accelerator.
+    proc = run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                str(REPO / "tests/engine/scripts/train_and_digest.py"), *args])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    digests = [json.loads((out / f"digest-rank{r}.json").read_text()) for r in (0, 1)]
+    assert digests[0]["digest"] == digests[1]["digest"]
+    assert digests[0]["step"] == digests[1]["step"] == 3
+    assert digests[0]["prompts_seen"]["position"] == 6  # each step, each rank took its own prompt
+    # the checkpoint holds each rank's own state, and only rank 0 wrote metrics
+    assert {p.name for p in (out / "checkpoint-2").glob("rank*.pt")} == {"rank0.pt", "rank1.pt"}
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_accelerate_launch_module_entry_point(tmp_path, qwen2_model):
+    """`accelerate launch -m rloo_engine train` as the pipeline's launcher runs it."""
+    out = tmp_path / "out"
+    proc = run([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "rloo_engine",
+                "train", "--model_name_or_path", str(qwen2_model), "--dataset_name", str(prompt_file(tmp_path)),
+                "--reward_funcs", "rloo_engine.reward_functions:brevity", "--output_dir", str(out),
+                "--num_generations", "2", "--per_device_train_batch_size", "4", "--max_completion_length", "4",
+                "--max_steps", "1", "--disable_tqdm"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "final").is_dir()
