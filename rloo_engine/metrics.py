@@ -76,6 +76,16 @@ class MetricsLogger:
         if self.enabled and self.client is not None and Path(path).exists():
             self.client.log_artifact(self.run_id, str(path), artifact_path)
 
+    def log_table(self, jsonl_path: str | Path, artifact_file: str) -> None:
+        """Logs a JSONL file as an MLflow table (viewable and comparable in the UI's artifact view)."""
+        path = Path(jsonl_path)
+        if not (self.enabled and self.client is not None and path.exists()):
+            return
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+        if rows:
+            columns = {k: [r.get(k) for r in rows] for k in rows[0]}
+            self.client.log_table(self.run_id, columns, artifact_file)
+
     def finish(self, status: str = "FINISHED") -> None:
         """Ends the run only if the engine created it; a run handed in via MLFLOW_RUN_ID stays open."""
         if self.client is not None and self.owns_run:

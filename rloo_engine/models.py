@@ -52,7 +52,10 @@ def load_policy(cfg: RLOOConfig) -> PreTrainedModel:
     """The trainable policy; a peft model with only LoRA weights trainable when `use_peft`."""
     model = load_causal_lm(cfg.model_name_or_path, cfg)
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if not cfg.use_peft:
         return model

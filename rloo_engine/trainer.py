@@ -86,6 +86,7 @@ class RLOOTrainer:
         self.logger = MetricsLogger(cfg.output_dir, self.acc.is_main_process, cfg.run_name,
                                     {f"train.{k}": v for k, v in cfg.model_dump().items()})
         self.global_step = 0
+        self.synced_step = -1  # optimizer step whose weights the generation backend holds
         self.batch: GenerationBatch | None = None
         self.cursor = 0  # micro-batches of `self.batch` consumed, over all its iterations
         self.window: dict[str, list[float]] = defaultdict(list)
@@ -212,6 +213,9 @@ class RLOOTrainer:
         self.policy.train()
         while self.global_step < self.total_steps:
             if self.batch is None or self.cursor == micro_per_batch:
+                if self.synced_step != self.global_step:  # e.g. a vLLM backend holds its own weights
+                    self.backend.sync_weights(self.acc.unwrap_model(self.policy))
+                    self.synced_step = self.global_step
                 self.batch, self.cursor = self.generation_step(), 0
             mb = self.batch.micro_batch(self.cursor % self.steps_per_generation, c.per_device_train_batch_size)
             self.cursor += 1
@@ -311,6 +315,7 @@ class RLOOTrainer:
         self.logger.log_artifact(out / "config.yaml")
         self.logger.log_artifact(out / "metrics.jsonl")
         self.logger.log_artifact(out / "completions.jsonl")
+        self.logger.log_table(out / "completions.jsonl", "completions.json")
         self.logger.finish()
 
 
@@ -320,5 +325,10 @@ def _nanmean(values: list[float]) -> float:
 
 
 def train(cfg: RLOOConfig) -> TrainResult:
-    """Entry point of `rloo-engine train`."""
+    """Entry point of `rloo-engine train`: our own progress bar replaces the libraries' per-file ones."""
+    import datasets
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
     return RLOOTrainer(cfg).train()

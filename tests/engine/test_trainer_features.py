@@ -1,0 +1,93 @@
+"""Pluggable generation backends, gradient checkpointing, the LR schedule and MLflow logging."""
+
+from __future__ import annotations
+
+import os
+
+import mlflow
+import pytest
+import torch
+
+from rloo_engine.generation import HFGenerationBackend, Rollout
+from rloo_engine.trainer import RLOOTrainer
+from tests.engine.helpers import read_metrics, tiny_config
+
+
+class RecordingBackend:
+    """Stands in for a vLLM backend: samples through the HF backend, records weight syncs."""
+
+    def __init__(self, inner: HFGenerationBackend):
+        self.inner, self.synced_at, self.calls = inner, [], 0
+
+    def generate(self, prompts, num_generations) -> Rollout:
+        self.calls += 1
+        return self.inner.generate(prompts, num_generations)
+
+    def sync_weights(self, model) -> None:
+        self.synced_at.append(self.calls)
+        self.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_generation_backend_is_pluggable_and_synced_before_each_generation(tmp_path, qwen2_model):
+    cfg = tiny_config(tmp_path, qwen2_model, max_steps=3, learning_rate=1e-2)
+    trainer = RLOOTrainer(cfg)
+    backend = RecordingBackend(trainer.backend)
+    trainer.backend = backend
+    trainer.train()
+    assert backend.calls == 3
+    assert backend.synced_at == [0, 1, 2]  # fresh weights before every generation
+    final = trainer.acc.unwrap_model(trainer.policy).state_dict()
+    assert any(not torch.equal(final[k], v) for k, v in backend.weights.items())  # last sync predates last step
+
+
+def test_shared_prefill_samples_exactly_what_num_return_sequences_samples(qwen2_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rloo_engine.generation import SamplingParams
+
+    model, tok = AutoModelForCausalLM.from_pretrained(qwen2_model), AutoTokenizer.from_pretrained(qwen2_model)
+    prompts = ["the cat sat on the mat and", "a big red fox", "why"]
+    outs = []
+    for shared in (True, False):
+        torch.manual_seed(0)
+        backend = HFGenerationBackend(lambda: model, tok, SamplingParams(max_completion_length=8), shared_prefill=shared)
+        outs.append(backend.generate(prompts, 4))
+    torch.testing.assert_close(outs[0].completion_ids, outs[1].completion_ids)
+    assert outs[0].completion_ids.shape[0] == 12
+    # groups are contiguous: rows [4k, 4k+4) share prompt k
+    assert torch.equal(outs[0].prompt_ids[0], outs[0].prompt_ids[3]) and not torch.equal(outs[0].prompt_ids[3], outs[0].prompt_ids[4])
+
+
+def test_gradient_checkpointing_gives_the_same_updates(tmp_path, qwen2_model):
+    losses = []
+    for gc in (False, True):
+        cfg = tiny_config(tmp_path / str(gc), qwen2_model, gradient_checkpointing=gc, max_steps=2, beta=0.05)
+        RLOOTrainer(cfg).train()
+        losses.append([(r["grad_norm"], r["kl"], r["entropy"]) for r in read_metrics(cfg.output_dir)])
+    for plain, checkpointed in zip(*losses):
+        assert plain == pytest.approx(checkpointed, rel=1e-4, abs=1e-7)
+
+
+def test_lr_schedule_warmup_then_linear_decay(tmp_path, qwen2_model):
+    cfg = tiny_config(tmp_path, qwen2_model, max_steps=6, warmup_steps=2, learning_rate=1e-3)
+    RLOOTrainer(cfg).train()
+    lrs = [r["learning_rate"] for r in read_metrics(cfg.output_dir)]
+    assert lrs == pytest.approx([0.0, 5e-4, 1e-3, 7.5e-4, 5e-4, 2.5e-4])
+
+
+def test_metrics_go_to_the_mlflow_run_named_in_the_environment(tmp_path, qwen2_model, monkeypatch):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    exp = mlflow.create_experiment("engine-test", artifact_location=str(tmp_path / "artifacts"))
+    run = mlflow.MlflowClient(uri).create_run(exp)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_RUN_ID", run.info.run_id)
+    cfg = tiny_config(tmp_path, qwen2_model, max_steps=3, log_completions=True)
+    RLOOTrainer(cfg).train()
+    client = mlflow.MlflowClient(uri)
+    history = client.get_metric_history(run.info.run_id, "reward")
+    assert [m.step for m in history] == [1, 2, 3]
+    assert client.get_run(run.info.run_id).info.status == "RUNNING"  # the launcher owns the run's status
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "metrics.jsonl", "completions.json"} <= artifacts
+    os.environ.pop("MLFLOW_RUN_ID", None)
