@@ -121,8 +121,9 @@ def save_checkpoint(
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp / "accelerate"))
     torch.save(rank_state, tmp / f"rank{accelerator.process_index}.pt")
+    state_dict = accelerator.get_state_dict(model)  # collective under DeepSpeed ZeRO-3 (gathers shards)
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(tmp)
+        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
         (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=1))
     accelerator.wait_for_everyone()

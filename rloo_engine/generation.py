@@ -6,6 +6,7 @@ The trainer only sees `GenerationBackend.generate(prompts, num_generations) -> R
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -56,8 +57,10 @@ class HFGenerationBackend:
     repeated G times, instead of `num_return_sequences=G` which prefills G copies.
     """
 
-    def __init__(self, model_getter, tokenizer, params: SamplingParams, shared_prefill: bool = True):
+    def __init__(self, model_getter, tokenizer, params: SamplingParams, shared_prefill: bool = True,
+                 gather=contextlib.nullcontext):
         self.model_getter = model_getter  # callable returning the unwrapped policy (LoRA-aware)
+        self.gather = gather  # context making full weights available (DeepSpeed ZeRO-3)
         self.tokenizer = tokenizer
         self.params = params
         self.shared_prefill = shared_prefill
@@ -100,11 +103,12 @@ class HFGenerationBackend:
         was_training = model.training
         model.eval()
         try:
-            if self.shared_prefill and prompt_ids.size(1) > 1:
-                sequences = self._generate_shared_prefill(model, prompt_ids, prompt_mask, num_generations)
-            else:
-                sequences = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
-                                           **self._generation_kwargs(num_generations))
+            with self.gather():
+                if self.shared_prefill and prompt_ids.size(1) > 1:
+                    sequences = self._generate_shared_prefill(model, prompt_ids, prompt_mask, num_generations)
+                else:
+                    sequences = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
+                                               **self._generation_kwargs(num_generations))
         finally:
             model.train(was_training)
         prompt_ids = prompt_ids.repeat_interleave(num_generations, 0)

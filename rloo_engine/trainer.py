@@ -28,7 +28,9 @@ from rloo_engine.config import RLOOConfig, save_config
 from rloo_engine.data import PromptSampler, extra_columns, load_prompt_dataset, render_prompt
 from rloo_engine.generation import GenerationBackend, HFGenerationBackend, SamplingParams
 from rloo_engine.metrics import MetricsLogger
-from rloo_engine.models import load_policy, load_reference, load_tokenizer, reference_context, sync_reference
+from rloo_engine.models import (
+    generation_context, load_policy, load_reference, load_tokenizer, reference_context, sync_reference,
+)
 from rloo_engine.rewards import build_reward_sources, compute_rewards
 from rloo_engine.rollout import (
     GenerationBatch,
@@ -79,7 +81,8 @@ class RLOOTrainer:
         if self.ref is not None:
             self.ref = self.ref.to(self.acc.device)
         self.backend = backend or HFGenerationBackend(
-            lambda: self.acc.unwrap_model(self.policy), self.tokenizer, self._sampling_params()
+            lambda: self.acc.unwrap_model(self.policy), self.tokenizer, self._sampling_params(),
+            gather=lambda: generation_context(self.acc, self.policy),
         )
         self.sampler = PromptSampler(len(self.dataset), cfg.seed, cfg.shuffle_dataset,
                                      self.acc.process_index, self.acc.num_processes)
@@ -223,7 +226,9 @@ class RLOOTrainer:
                 loss = self.loss(mb)
                 self.acc.backward(loss)
                 if self.acc.sync_gradients and c.max_grad_norm:
-                    self.window["grad_norm"].append(float(self.acc.clip_grad_norm_(self.policy.parameters(), c.max_grad_norm)))
+                    norm = self.acc.clip_grad_norm_(self.policy.parameters(), c.max_grad_norm)
+                    if norm is not None:  # DeepSpeed clips inside its engine and reports nothing here
+                        self.window["grad_norm"].append(float(norm))
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             if not self.acc.sync_gradients:
