@@ -127,6 +127,20 @@ class RLOOConfig(BaseModel):
     top_k: int | None = F(None, "Top-k sampling; None or 0 = off.", ge=0)
     min_p: float | None = F(None, "Min-p sampling threshold; None = off.", ge=0.0, le=1.0)
     repetition_penalty: float = F(1.0, "Repetition penalty for sampling; 1.0 = off.", gt=0.0)
+    use_vllm: bool = F(
+        False,
+        "Generate with vLLM instead of HF `generate` (needs the `vllm` extra and a GPU). Weights are copied "
+        "into vLLM after every optimizer step.",
+    )
+    vllm_mode: Literal["colocate", "server"] = F(
+        "colocate",
+        "`colocate`: vLLM runs inside each training process and shares its GPU (the only mode implemented; "
+        "`server` is rejected at load time).",
+    )
+    vllm_gpu_memory_utilization: float = F(
+        0.3, "Fraction of GPU memory vLLM may take in colocate mode; the rest is for training.", gt=0.0, le=1.0
+    )
+    vllm_tensor_parallel_size: int = F(1, "Tensor-parallel size of the colocated vLLM engine.", ge=1)
     generation_kwargs: dict[str, Any] = F({}, "Extra keyword arguments for the generation backend (override the above).")
     chat_template_kwargs: dict[str, Any] = F(
         {}, "Extra keyword arguments for `apply_chat_template` on conversational prompts (e.g. `enable_thinking`)."
@@ -237,6 +251,8 @@ class RLOOConfig(BaseModel):
                 raise ValueError(f"reward_funcs: {f!r}; expected an import path like 'my_pkg.rewards:length_reward'")
         if self.reward_clip_range is not None and self.reward_clip_range[0] >= self.reward_clip_range[1]:
             raise ValueError(f"reward_clip_range: {list(self.reward_clip_range)}; expected [low, high] with low < high")
+        if self.use_vllm and self.vllm_mode == "server":
+            raise ValueError("vllm_mode: 'server' is not implemented yet; use 'colocate' (or use_vllm: false)")
         if self.bf16 and self.fp16:
             raise ValueError("bf16 and fp16: both true; choose one mixed-precision mode")
         if self.dataset_name is None:

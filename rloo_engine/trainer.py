@@ -80,10 +80,7 @@ class RLOOTrainer:
         ckpt.install_state_hooks(self.acc, self.policy)
         if self.ref is not None:
             self.ref = self.ref.to(self.acc.device)
-        self.backend = backend or HFGenerationBackend(
-            lambda: self.acc.unwrap_model(self.policy), self.tokenizer, self._sampling_params(),
-            gather=lambda: generation_context(self.acc, self.policy),
-        )
+        self.backend = backend or self._default_backend()
         self.sampler = PromptSampler(len(self.dataset), cfg.seed, cfg.shuffle_dataset,
                                      self.acc.process_index, self.acc.num_processes)
         self.logger = MetricsLogger(cfg.output_dir, self.acc.is_main_process, cfg.run_name,
@@ -100,6 +97,16 @@ class RLOOTrainer:
         c = self.cfg
         return SamplingParams(c.max_completion_length, c.temperature, c.top_p, c.top_k, c.min_p,
                               c.repetition_penalty, c.max_prompt_length, c.generation_kwargs)
+
+    def _default_backend(self) -> GenerationBackend:
+        if self.cfg.use_vllm:
+            from rloo_engine.generation_vllm import VLLMColocateBackend
+
+            return VLLMColocateBackend(self.cfg.model_name_or_path, self.tokenizer, self._sampling_params(),
+                                       self.cfg.vllm_gpu_memory_utilization, self.cfg.vllm_tensor_parallel_size,
+                                       self.cfg.seed + self.acc.process_index, self.cfg.dtype)
+        return HFGenerationBackend(lambda: self.acc.unwrap_model(self.policy), self.tokenizer, self._sampling_params(),
+                                   gather=lambda: generation_context(self.acc, self.policy))
 
     def _total_steps(self) -> int:
         if self.cfg.max_steps > 0:

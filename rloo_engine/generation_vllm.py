@@ -1,0 +1,90 @@
+"""vLLM colocate generation backend: vLLM runs inside each training process and shares its GPU.
+
+`vllm` is an optional extra (`pip install 'rloo-pipeline[vllm]'`) imported only when this backend
+is built. After every optimizer step the trainer calls `sync_weights`, which copies the policy's
+weights into vLLM's model (LoRA merged first) and drops vLLM's prefix cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rloo_engine.algorithm import completion_mask
+from rloo_engine.config import ConfigError
+from rloo_engine.generation import Rollout, SamplingParams
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError:
+        raise ConfigError("use_vllm: true, but vllm is not installed; pip install 'rloo-pipeline[vllm]'") from None
+    return vllm
+
+
+class VLLMColocateBackend:
+    def __init__(self, model_path: str, tokenizer, params: SamplingParams, gpu_memory_utilization: float = 0.3,
+                 tensor_parallel_size: int = 1, seed: int = 0, dtype: str = "auto"):
+        vllm = _import_vllm()
+        self.vllm, self.tokenizer, self.params = vllm, tokenizer, params
+        max_len = (params.max_prompt_length or 2048) + params.max_completion_length
+        self.llm = vllm.LLM(model=model_path, gpu_memory_utilization=gpu_memory_utilization,
+                            tensor_parallel_size=tensor_parallel_size, seed=seed, dtype=dtype,
+                            max_model_len=max_len, enable_prefix_caching=True)
+
+    def _sampling_params(self, n: int):
+        p = self.params
+        kwargs: dict[str, Any] = dict(n=n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or -1,
+                                      min_p=p.min_p or 0.0, repetition_penalty=p.repetition_penalty,
+                                      max_tokens=p.max_completion_length)
+        kwargs.update(p.extra or {})
+        return self.vllm.SamplingParams(**kwargs)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], num_generations: int) -> Rollout:
+        tok = self.tokenizer
+        tok.truncation_side = "left"
+        max_len = self.params.max_prompt_length
+        ids = tok(prompts, add_special_tokens=False, truncation=max_len is not None, max_length=max_len)["input_ids"]
+        # Token ids, not text: vLLM then samples after exactly the prompt tokens the trainer scores.
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], self._sampling_params(num_generations),
+                                    use_tqdm=False)
+        completions = [list(o.token_ids) for out in outputs for o in out.outputs]
+        return _to_rollout(ids, completions, num_generations, tok.pad_token_id, tok.eos_token_id)
+
+    @torch.no_grad()
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        merged = hasattr(model, "merge_adapter")
+        if merged:
+            model.merge_adapter()
+        try:
+            state = model.get_base_model().state_dict() if merged else model.state_dict()
+            items = [(k.replace("base_layer.", ""), v) for k, v in state.items() if "lora_" not in k]
+            if hasattr(self.llm, "apply_model"):  # vLLM V1
+                self.llm.apply_model(lambda m: m.load_weights(items))
+            else:
+                self.llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(items)
+            self.llm.reset_prefix_cache()
+        finally:
+            if merged:
+                model.unmerge_adapter()
+
+
+def _to_rollout(prompt_ids: list[list[int]], completions: list[list[int]], g: int, pad: int, eos: int) -> Rollout:
+    """Left-pads prompts, right-pads completions, repeats each prompt G times. Output as in `Rollout`."""
+    P = max(len(p) for p in prompt_ids)
+    T = max(1, max(len(c) for c in completions))
+    prompt = torch.full((len(prompt_ids), P), pad, dtype=torch.long)
+    pmask = torch.zeros((len(prompt_ids), P), dtype=torch.long)
+    for i, p in enumerate(prompt_ids):
+        prompt[i, P - len(p):], pmask[i, P - len(p):] = torch.tensor(p), 1
+    # -1 marks "no token" so that a pad id equal to EOS is never mistaken for an EOS the model produced.
+    comp = torch.full((len(completions), T), -1, dtype=torch.long)
+    for i, c in enumerate(completions):
+        comp[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+    mask, terminated = completion_mask(comp, eos)
+    mask = mask * (comp >= 0).long()
+    comp = torch.where(mask.bool(), comp, torch.full_like(comp, pad))
+    return Rollout(prompt.repeat_interleave(g, 0), pmask.repeat_interleave(g, 0), comp, mask, terminated)
