@@ -80,6 +80,7 @@ class RLOOTrainer:
         ckpt.install_state_hooks(self.acc, self.policy)
         if self.ref is not None:
             self.ref = self.ref.to(self.acc.device)
+        set_seed(cfg.seed, device_specific=True)  # weights are identical everywhere; sampling noise must not be
         self.backend = backend or self._default_backend()
         self.sampler = PromptSampler(len(self.dataset), cfg.seed, cfg.shuffle_dataset,
                                      self.acc.process_index, self.acc.num_processes)
