@@ -1,0 +1,319 @@
+"""EvalConfig: the typed, validated options of a win-rate evaluation (`rloo-engine evaluate --config`).
+
+Every field is documented where it is declared. Validation happens here, at the boundary: a bad
+option fails with `ConfigError` naming the field before any model is loaded or any call is made.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rloo_engine.config import ConfigError, load_yaml
+
+PairingName = Literal["policy_vs_reference", "sft_vs_reference", "policy_vs_sft"]
+PAIRINGS: dict[str, tuple[str, str]] = {
+    "policy_vs_reference": ("policy", "reference"),
+    "sft_vs_reference": ("sft", "reference"),
+    "policy_vs_sft": ("policy", "sft"),
+}
+
+
+def F(default: Any, doc: str, **kw: Any) -> Any:
+    """A documented field: `doc` says what it means, why the default, and when to change it."""
+    return Field(default, description=doc, **kw)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class GenerationConfig(_Strict):
+    """How completions are generated for a model given by path (policy or SFT)."""
+
+    max_new_tokens: int = F(
+        128, "Maximum tokens generated per completion. 128 fits TL;DR summaries; raise for dialogue.", ge=1
+    )
+    do_sample: bool = F(
+        False,
+        "Sample instead of greedy decoding. Greedy (the default) makes completions, and so the cache, reproducible.",
+    )
+    temperature: float = F(1.0, "Sampling temperature (only with do_sample).", gt=0.0)
+    top_p: float = F(1.0, "Nucleus sampling mass (only with do_sample); 1.0 = off.", gt=0.0, le=1.0)
+    batch_size: int = F(
+        16, "Prompts per `generate` call. Prompts are sorted by length first, so padding stays small.", ge=1
+    )
+    max_prompt_length: int | None = F(
+        512,
+        "Prompts longer than this many tokens are truncated from the left (the end is what the model continues).",
+        ge=1,
+    )
+    chat_template: bool = F(
+        False,
+        "Wrap plain-string prompts as a user message and render them with the tokenizer's chat template. "
+        "Prompts given as message lists always use the chat template.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = F("float32", "Dtype the model is loaded in.")
+    device: str = F("auto", "Torch device: `auto` (CUDA when available, else CPU), `cpu`, `cuda`, `cuda:1`, ...")
+    seed: int = F(0, "Seed set before generation (matters only with do_sample).")
+    generation_kwargs: dict[str, Any] = F({}, "Extra keyword arguments for `model.generate` (override the above).")
+
+
+class TokenPrice(_Strict):
+    """Price of one judge model, in US dollars per million tokens."""
+
+    input_per_million: float = F(..., "USD per 1M prompt (input) tokens.", ge=0.0)
+    output_per_million: float = F(..., "USD per 1M completion (output) tokens.", ge=0.0)
+
+
+class JudgeConfig(_Strict):
+    """Which judge compares two answers, and how it is called."""
+
+    backend: Literal["openai", "hf", "reward_model", "python"] = F(
+        "openai",
+        "`openai`: any OpenAI-compatible chat-completions endpoint (OpenAI, `vllm serve`, ...). `hf`: a local "
+        "transformers chat model judging by next-token probabilities of the labels. `reward_model`: a local "
+        "sequence-classification model scoring each answer. `python`: a `module:function` callable.",
+    )
+    model: str | None = F(
+        None,
+        "openai: the model name sent to the endpoint (e.g. `gpt-4o`). hf / reward_model: a local directory or "
+        "hub id. Not used by the python backend.",
+    )
+    base_url: str | None = F(
+        None, "openai: endpoint base URL, e.g. `http://localhost:8000/v1` for vllm. None = OpenAI's public API."
+    )
+    api_key_env: str | None = F(
+        "OPENAI_API_KEY",
+        "openai: name of the environment variable holding the API key. The key itself is never a config value "
+        "and is never written anywhere. None = no key (local servers that do not check one).",
+    )
+    function: str | None = F(
+        None,
+        'python: import path `module:function`. Called as `f(prompt, answer_a, answer_b)` and returning `"A"`, '
+        '`"B"` or `"tie"` (or judge text ending in a `Preferred: A|B` line); with `batched: true` called as '
+        "`f(prompts, answers_a, answers_b)` and returning a list. `async def` functions are awaited.",
+    )
+    batched: bool = F(False, "python: call the function once per batch of `batch_size` pairs (lists in, list out).")
+    template: str = F(
+        "tldr",
+        "Judge prompt: a built-in name (`tldr`: DPO-paper-style TL;DR summary comparison; `helpfulness`: general "
+        "helpfulness) or the path of a template YAML file. Used by the openai and hf backends.",
+    )
+    temperature: float = F(
+        0.0, "openai: sampling temperature of the judge. 0 makes verdicts (and the cache) stable.", ge=0.0
+    )
+    max_tokens: int = F(
+        256, "openai: maximum tokens of the judge's reply (a comparison sentence and the verdict line).", ge=1
+    )
+    max_tokens_param: Literal["max_tokens", "max_completion_tokens"] = F(
+        "max_tokens",
+        "openai: request field carrying `max_tokens`. Newer OpenAI reasoning models need `max_completion_tokens`.",
+    )
+    extra_body: dict[str, Any] = F(
+        {}, "openai: extra request fields (e.g. vllm sampling options). Part of the cache key."
+    )
+    timeout_s: float = F(60.0, "openai: seconds before a request times out (and is retried).", gt=0.0)
+    max_concurrency: int = F(16, "openai: requests in flight at once.", ge=1)
+    requests_per_minute: float | None = F(
+        None,
+        "openai: spread requests to at most this many per minute. None = no limit beyond `max_concurrency`.",
+        gt=0.0,
+    )
+    max_attempts: int = F(
+        6,
+        "openai: attempts per request on 429, 5xx, timeouts and connection errors (1 = no retry). After the last, "
+        "the judgment is counted as an `api_error`.",
+        ge=1,
+    )
+    backoff_initial_s: float = F(1.0, "openai: first retry delay; it doubles each attempt, with jitter.", gt=0.0)
+    backoff_max_s: float = F(
+        60.0,
+        "openai: cap on one retry delay, including a server's `Retry-After` (longer waits are cut to this).",
+        gt=0.0,
+    )
+    reask_on_parse_error: bool = F(
+        True,
+        "Ask once more (showing the judge its reply and the required format) when the verdict line does not parse.",
+    )
+    tie_margin: float = F(
+        0.0,
+        "hf: a log-probability gap, reward_model: a score gap at or below which the verdict is a tie. "
+        "0 = a tie only on exact equality.",
+        ge=0.0,
+    )
+    batch_size: int = F(8, "hf / reward_model / batched python: pairs per forward pass or call.", ge=1)
+    max_length: int = F(
+        2048, "hf / reward_model: inputs longer than this many tokens are truncated from the left.", ge=8
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = F(
+        "float32", "hf / reward_model: dtype the model is loaded in."
+    )
+    device: str = F("auto", "hf / reward_model: torch device (`auto` = CUDA when available, else CPU).")
+
+    @model_validator(mode="after")
+    def _check(self) -> JudgeConfig:
+        if self.backend in ("openai", "hf", "reward_model") and not self.model:
+            what = "a model name" if self.backend == "openai" else "a local model directory or hub id"
+            raise ValueError(f"model: not set; the {self.backend} judge needs {what}")
+        if self.backend == "python":
+            if not self.function or ":" not in self.function:
+                raise ValueError(
+                    f"function: {self.function!r}; the python judge needs an import path like "
+                    "'my_pkg.rules:prefer_shorter'"
+                )
+        if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url: {self.base_url!r}; expected an http:// or https:// URL")
+        return self
+
+
+class EvalConfig(_Strict):
+    """All options of a win-rate evaluation. Paths of the policy / SFT models may also be given as arguments."""
+
+    # ---------------------------------------------------------------- prompts and references
+    prompts: str = F(
+        ...,
+        "Eval prompt set: a .jsonl/.json/.parquet/.csv file, a `save_to_disk` dataset directory or a hub id. Rows "
+        "need `prompt_column` (a string, or a list of chat messages).",
+    )
+    split: str = F("test", "Split to read from a dataset directory or hub id (plain files have a single split).")
+    prompt_column: str = F("prompt", "Column holding the prompt.")
+    reference_column: str | None = F(
+        None,
+        "Column of the prompt set holding reference completions (e.g. human TL;DR summaries). None = no references.",
+    )
+    reference_completions: str | None = F(
+        None, "A completions JSONL file (`prompt` or `prompt_id`, and `completion`) used as the references instead."
+    )
+    max_prompts: int | None = F(None, "Evaluate only the first this many prompts (after de-duplication).", ge=1)
+
+    # ---------------------------------------------------------------- models under evaluation
+    policy_model_path: str | None = F(
+        None,
+        "Policy to generate completions from (local directory or hub id). Overridden by `--policy` / `policy_path`.",
+    )
+    policy_completions: str | None = F(None, "A completions JSONL file for the policy, instead of generating.")
+    sft_model_path: str | None = F(None, "SFT model to generate completions from. Overridden by `--sft` / `sft_path`.")
+    sft_completions: str | None = F(None, "A completions JSONL file for the SFT model, instead of generating.")
+    generation: GenerationConfig = F(GenerationConfig(), "How completions are generated from model paths.")
+
+    # ---------------------------------------------------------------- judging
+    pairings: list[PairingName] | None = F(
+        None,
+        "Comparisons to run, each reported separately: policy_vs_reference, sft_vs_reference, policy_vs_sft. "
+        "None = every pairing whose two sides are available.",
+    )
+    judge: JudgeConfig = F(
+        ..., "The judge and how it is called (required: an evaluation never picks a paid API by default)."
+    )
+    order_mode: Literal["both", "single"] = F(
+        "both",
+        "`both`: judge every pair in both orders to cancel position bias. `single`: one order per prompt, chosen "
+        "by a seeded coin flip (half the calls, no consistency measurement).",
+    )
+    both_orders_rule: Literal["agree", "average"] = F(
+        "agree",
+        "How the two orders combine in `both` mode. `agree`: a win counts only when both orders pick the same "
+        "answer; disagreement is a tie. `average`: each order counts as half a judgment.",
+    )
+
+    # ---------------------------------------------------------------- statistics
+    seed: int = F(0, "Seed of the single-order coin flips and of every bootstrap.")
+    bootstrap_resamples: int = F(2000, "Bootstrap resamples of prompts for each confidence interval.", ge=1000)
+    confidence_level: float = F(0.95, "Coverage of the reported confidence intervals.", gt=0.5, lt=1.0)
+    length_unit: Literal["words", "chars"] = F(
+        "words", "Unit of completion lengths, for the reported means and the length-controlled win rate."
+    )
+    lc_warning_threshold: float = F(
+        0.05,
+        "Warn when the length-controlled win rate differs from the raw one by more than this (the judge may be "
+        "rewarding length rather than quality).",
+        ge=0.0,
+    )
+
+    # ---------------------------------------------------------------- cost
+    prices: dict[str, TokenPrice] = F(
+        {},
+        "Price table keyed by judge model name, USD per million tokens, e.g. "
+        "`{gpt-4o: {input_per_million: 2.5, output_per_million: 10}}`. Models not listed have unknown cost.",
+    )
+    budget_usd: float | None = F(
+        None,
+        "Stop with an error before the spend of this run could pass this many dollars (needs the judge model in "
+        "`prices`). Finished judgments stay cached, so a rerun with a higher budget continues. None = no budget.",
+        gt=0.0,
+    )
+
+    # ---------------------------------------------------------------- outputs
+    output_dir: str = F(
+        "outputs/eval",
+        "Where `results.json`, `judgments.jsonl` and `completions/` are written. Overridden by `--output_dir`.",
+    )
+    cache_path: str | None = F(
+        None,
+        "SQLite judgment cache. None = `<output_dir>/judge_cache.sqlite`. Point several runs at one file to "
+        "share judgments (keys include the judge, template and decoding parameters).",
+    )
+    progress: bool = F(True, "Show progress bars for generation and judging.")
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalConfig:
+        if self.policy_model_path and self.policy_completions:
+            raise ValueError("policy_model_path and policy_completions: both set; give one source for the policy")
+        if self.sft_model_path and self.sft_completions:
+            raise ValueError("sft_model_path and sft_completions: both set; give one source for the SFT model")
+        if self.reference_column and self.reference_completions:
+            raise ValueError("reference_column and reference_completions: both set; give one source for the references")
+        if self.pairings is not None and len(set(self.pairings)) != len(self.pairings):
+            raise ValueError(f"pairings: {self.pairings} lists a pairing twice")
+        if self.pairings == []:
+            raise ValueError("pairings: empty list; give at least one pairing, or null for all available")
+        if self.budget_usd is not None and self.judge.backend == "openai" and self.judge.model not in self.prices:
+            raise ValueError(
+                f"budget_usd: {self.budget_usd} needs the price of judge model {self.judge.model!r}; add it to "
+                f"`prices` (known: {sorted(self.prices) or 'none'})"
+            )
+        return self
+
+    def resolved_cache_path(self, output_dir: str | Path | None = None) -> Path:
+        """Where the judgment cache lives for a run writing to `output_dir`."""
+        if self.cache_path:
+            return Path(self.cache_path)
+        return Path(output_dir or self.output_dir) / "judge_cache.sqlite"
+
+
+def format_errors(err: ValidationError, source: str) -> str:
+    """One line per problem, `<source>: <dotted.field>: <message> (got <value>)`."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown option; check the spelling against docs/configuration.md (EvalConfig)"
+        elif e["type"] == "missing":
+            msg = "required option is missing"
+        elif e["type"] == "value_error" and loc and re.match(r"[a-z_]+: ", msg):
+            # A nested model's validator names its own field first: judge + "model: ..." -> judge.model: ...
+            field, msg = msg.split(": ", 1)
+            loc = f"{loc}.{field}"
+        got = f" (got {e['input']!r})" if e["type"] not in ("missing", "value_error") and "input" in e else ""
+        lines.append(f"{source}: {loc}: {msg}{got}" if loc else f"{source}: {msg}")
+    return "\n".join(lines)
+
+
+def build_eval_config(values: dict[str, Any], source: str = "EvalConfig") -> EvalConfig:
+    """Validates `values` into an EvalConfig, raising ConfigError with every problem named."""
+    try:
+        return EvalConfig.model_validate(values)
+    except ValidationError as err:
+        raise ConfigError(format_errors(err, source)) from None
+
+
+def load_eval_config(path: str | Path, overrides: dict[str, Any] | None = None) -> EvalConfig:
+    """Reads a YAML EvalConfig, applies top-level `overrides` (None values ignored) and validates it."""
+    values = load_yaml(path)
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return build_eval_config(values, source=str(path))

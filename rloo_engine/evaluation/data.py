@@ -1,0 +1,178 @@
+"""Eval prompts and completions: loading, stable prompt ids, and the completions JSONL format.
+
+A prompt id is a hash of the prompt itself, so the same prompt has the same id in every file, run
+and model, and completions from different sources line up without relying on row order.
+Completions JSONL rows are `{"prompt_id", "prompt", "completion"}`; files written elsewhere may
+leave out either `prompt_id` or `prompt`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rloo_engine.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[dict[str, Any]]  # plain text, or chat messages [{"role": ..., "content": ...}]
+
+
+@dataclass(frozen=True)
+class EvalPrompt:
+    prompt_id: str
+    prompt: Prompt
+    reference: str | None = None
+
+
+def prompt_id(prompt: Prompt) -> str:
+    """Stable id of a prompt: the first 16 hex digits of the SHA-256 of its text (or canonical JSON of its messages)."""
+    canonical = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
+
+
+def prompt_text(prompt: Prompt) -> str:
+    """The prompt as the judge sees it: the text itself, or `role: content` paragraphs for chat messages."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n\n".join(f"{m.get('role', 'user')}: {m.get('content', '')}" for m in prompt)
+
+
+def _check_prompt(value: Any, where: str) -> Prompt:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(m, dict) and "content" in m for m in value):
+        return value
+    raise ConfigError(f"{where}: {str(value)[:80]!r}; expected a string or a list of {{role, content}} messages")
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL file, with errors naming the file and line."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: does not exist or is not a file; expected a JSONL file")
+    rows = []
+    with p.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{p}:{lineno}: not valid JSON: {err}") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{p}:{lineno}: a {type(row).__name__}; expected a JSON object per line")
+            rows.append(row)
+    return rows
+
+
+def _read_rows(source: str, split: str) -> list[dict[str, Any]]:
+    """Rows of the prompt set: JSONL/JSON read directly, other files and datasets through `datasets`."""
+    p = Path(source)
+    if p.suffix in (".jsonl", ".json"):
+        if not p.is_file():
+            raise ConfigError(f"prompts: {p} does not exist or is not a file")
+        text = p.read_text(encoding="utf-8")
+        if p.suffix == ".json" and text.lstrip().startswith("["):
+            data = json.loads(text)
+            if not all(isinstance(r, dict) for r in data):
+                raise ConfigError(f"prompts: {p} holds a list that is not all objects; expected one object per prompt")
+            return data
+        return read_jsonl(p)
+    import datasets  # imported here: it is slow to import and most evaluations read JSONL
+
+    if p.suffix in (".parquet", ".csv"):
+        if not p.is_file():
+            raise ConfigError(f"prompts: {p} does not exist")
+        ds = datasets.load_dataset(p.suffix[1:], data_files=str(p), split="train")
+    elif p.is_dir():
+        ds = datasets.load_from_disk(str(p))
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise ConfigError(f"split: {split!r} is not in {p} (splits: {sorted(ds)})")
+            ds = ds[split]
+    else:
+        ds = datasets.load_dataset(source, split=split)
+    return list(ds)
+
+
+def load_prompts(
+    source: str,
+    *,
+    split: str = "test",
+    prompt_column: str = "prompt",
+    reference_column: str | None = None,
+    max_prompts: int | None = None,
+) -> list[EvalPrompt]:
+    """Loads the eval prompt set, dropping repeated prompts (one id per prompt) with a warning."""
+    rows = _read_rows(source, split)
+    prompts: list[EvalPrompt] = []
+    seen: set[str] = set()
+    for i, row in enumerate(rows):
+        if prompt_column not in row:
+            raise ConfigError(
+                f"prompt_column: {prompt_column!r} is not a column of {source} (row {i} has {sorted(row)})"
+            )
+        prompt = _check_prompt(row[prompt_column], f"{source} row {i} column {prompt_column!r}")
+        reference = None
+        if reference_column is not None:
+            if reference_column not in row:
+                raise ConfigError(
+                    f"reference_column: {reference_column!r} is not a column of {source} (row {i} has {sorted(row)})"
+                )
+            reference = row[reference_column]  # None: no reference for this prompt (counted as missing)
+            if reference is not None and not isinstance(reference, str):
+                raise ConfigError(
+                    f"reference_column: row {i} of {source} holds {type(reference).__name__}; expected text"
+                )
+        pid = prompt_id(prompt)
+        if pid in seen:
+            continue
+        seen.add(pid)
+        prompts.append(EvalPrompt(pid, prompt, reference))
+        if max_prompts is not None and len(prompts) >= max_prompts:
+            break
+    if len(prompts) < len(rows) and max_prompts is None:
+        log.warning("prompts: %s has %d repeated prompts; each is evaluated once", source, len(rows) - len(prompts))
+    if not prompts:
+        raise ConfigError(f"prompts: {source} has no prompts")
+    return prompts
+
+
+def save_completions(path: str | Path, prompts: list[EvalPrompt], completions: dict[str, str]) -> Path:
+    """Writes `{prompt_id, prompt, completion}` rows (in prompt order) to a JSONL file, atomically."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for ep in prompts:
+            if ep.prompt_id in completions:
+                row = {"prompt_id": ep.prompt_id, "prompt": ep.prompt, "completion": completions[ep.prompt_id]}
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    tmp.replace(p)
+    return p
+
+
+def load_completions(path: str | Path) -> dict[str, str]:
+    """`{prompt_id: completion}` from a completions JSONL file; ids are recomputed from `prompt` when present."""
+    out: dict[str, str] = {}
+    for i, row in enumerate(read_jsonl(path), 1):
+        if not isinstance(row.get("completion"), str):
+            raise ConfigError(f"{path}:{i}: no text `completion` field; expected {{prompt or prompt_id, completion}}")
+        if "prompt" in row:
+            pid = prompt_id(_check_prompt(row["prompt"], f"{path}:{i} prompt"))
+            if "prompt_id" in row and row["prompt_id"] != pid:
+                raise ConfigError(
+                    f"{path}:{i}: prompt_id {row['prompt_id']!r} does not match the hash of its prompt ({pid}); "
+                    "was the prompt edited?"
+                )
+        elif isinstance(row.get("prompt_id"), str):
+            pid = row["prompt_id"]
+        else:
+            raise ConfigError(f"{path}:{i}: neither `prompt` nor `prompt_id`; expected one to match the prompt set")
+        out[pid] = row["completion"]
+    return out

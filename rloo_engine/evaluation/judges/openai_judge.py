@@ -1,0 +1,262 @@
+"""The `openai` judge: any OpenAI-compatible chat-completions endpoint, through the official async client.
+
+Requests go through the client's documented raw route, `client.post("/chat/completions", body=...,
+cast_to=object)`: the same transport, authentication, timeouts and error classes as
+`client.chat.completions.create`, without building typed request and response objects for the two
+fields we read, over openai's aiohttp transport (`DefaultAioHttpClient`) when installed. Both cut
+the client's CPU per request, which is what limits throughput with 32 requests in flight (see
+bench/judge_throughput.py).
+
+The client's own retries are off (`max_retries=0`) so that every retry is visible and bounded here:
+429, 408/409, 5xx, timeouts and connection errors back off exponentially with jitter (honouring
+`Retry-After`) up to `max_attempts`, then the judgment is an `api_error`. 401, 403 and 404 raise
+`JudgeEndpointError` at once, since every other request would fail the same way. A semaphore bounds
+the requests in flight, and an optional limiter spaces them to a requests-per-minute rate.
+
+The API key lives only inside the client; messages that might echo it are redacted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import openai
+
+from rloo_engine.evaluation.budget import SpendTracker
+from rloo_engine.evaluation.config import JudgeConfig
+from rloo_engine.evaluation.errors import BudgetExceededError, EvaluationError, JudgeEndpointError, redact
+from rloo_engine.evaluation.judges.base import Judge, Judgment, OnJudgment, SlotPair
+from rloo_engine.evaluation.parsing import parse_verdict
+from rloo_engine.evaluation.ratelimit import RateLimiter
+from rloo_engine.evaluation.retry import FATAL_STATUS, RETRYABLE_STATUS, RetryPolicy, retry_after_seconds
+from rloo_engine.evaluation.templates import JudgeTemplate
+
+log = logging.getLogger(__name__)
+
+OPENAI_BASE_URL = "https://api.openai.com/v1"
+_WORKERS_PER_SLOT = 4
+_FATAL_HINTS = {
+    401: "the API key was rejected; check the variable named by judge.api_key_env",
+    403: "the key has no access to this model or endpoint",
+    404: "no such model or route; check judge.model and judge.base_url (most servers want a URL ending in /v1)",
+}
+
+
+class OpenAIJudge(Judge):
+    backend = "openai"
+
+    def __init__(self, cfg: JudgeConfig, template: JudgeTemplate, spend: SpendTracker, api_key: str | None):
+        assert cfg.model is not None
+        self.model = cfg.model
+        self.base_url = cfg.base_url or OPENAI_BASE_URL
+        self.template = template
+        self.spend = spend
+        self.temperature = cfg.temperature
+        self.max_tokens = cfg.max_tokens
+        self.max_tokens_param = cfg.max_tokens_param
+        self.extra_body = dict(cfg.extra_body)
+        self.timeout_s = cfg.timeout_s
+        self.reask = cfg.reask_on_parse_error
+        self.retry = RetryPolicy(cfg.max_attempts, cfg.backoff_initial_s, cfg.backoff_max_s)
+        self.max_concurrency = cfg.max_concurrency
+        self._semaphore = asyncio.Semaphore(cfg.max_concurrency)
+        self._limiter = RateLimiter(cfg.requests_per_minute)
+        self._secret = api_key
+        self._client = openai.AsyncOpenAI(
+            base_url=self.base_url,
+            api_key=api_key or "EMPTY",
+            max_retries=0,
+            timeout=cfg.timeout_s,
+            http_client=_aiohttp_transport(),
+        )
+        # Set by the first budget stop or fatal endpoint error; no request starts after it.
+        self._stopped: EvaluationError | None = None
+        self._warned_no_usage = False
+
+    def __repr__(self) -> str:
+        return f"OpenAIJudge(model={self.model!r}, base_url={self.base_url!r})"
+
+    @property
+    def template_hash(self) -> str:
+        return self.template.hash
+
+    def identity(self) -> dict[str, Any]:
+        # base_url is left out on purpose: one model served from another host gives the same verdicts.
+        return {
+            "backend": self.backend,
+            "model": self.model,
+            "template": self.template.hash,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+            "extra_body": self.extra_body,
+            "reask": self.reask,
+        }
+
+    async def judge(self, pairs: Sequence[SlotPair], on_judgment: OnJudgment | None = None) -> list[Judgment]:
+        results: list[Judgment | None] = [None] * len(pairs)
+        todo = iter(enumerate(pairs))  # shared by the workers; next() never yields to the loop, so no races
+
+        async def worker() -> None:
+            for index, pair in todo:
+                if self._stopped is not None:
+                    return
+                try:
+                    judgment = await self._judge_pair(pair)
+                except BudgetExceededError as err:
+                    self._stopped = self._stopped or err
+                    return
+                results[index] = judgment
+                if on_judgment is not None:
+                    on_judgment(index, judgment)
+
+        # More workers than request slots, so pairs waiting out a retry delay (which frees their slot)
+        # do not leave slots idle; a bounded number, so a million pairs are not a million tasks.
+        workers = min(len(pairs), _WORKERS_PER_SLOT * self.max_concurrency)
+        try:
+            async with asyncio.TaskGroup() as group:
+                for _ in range(workers):
+                    group.create_task(worker())
+        except BaseExceptionGroup as failed:
+            # A fatal endpoint error cancelled the rest; surface it as itself, not as a group.
+            raise failed.exceptions[0] from None
+        if self._stopped is not None:
+            raise self._stopped
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+    async def _judge_pair(self, pair: SlotPair) -> Judgment:
+        judgment = Judgment(status="ok")
+        messages = self.template.render(pair.prompt, pair.answer_a, pair.answer_b)
+        text = await self._complete(messages, judgment)
+        if text is None:
+            return judgment
+        judgment.raw_texts.append(text)
+        verdict = parse_verdict(text, self.template.verdict_prefix)
+        if verdict is None and self.reask:
+            followup = [
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": self.template.reask_text},
+            ]
+            text = await self._complete(messages + followup, judgment)
+            if text is None:
+                return judgment
+            judgment.raw_texts.append(text)
+            verdict = parse_verdict(text, self.template.verdict_prefix)
+        if verdict is None:
+            judgment.status = "parse_error"
+            judgment.error = f"no final `{self.template.verdict_prefix}: A|B` line in {len(judgment.raw_texts)} replies"
+        else:
+            judgment.verdict = verdict
+        return judgment
+
+    async def _complete(self, messages: list[dict[str, str]], judgment: Judgment) -> str | None:
+        """The reply text, or None after marking `judgment` as an api_error. Raises on fatal errors."""
+        prompt_chars = sum(len(m["content"]) for m in messages)
+        error = ""
+        for attempt in range(1, self.retry.max_attempts + 1):
+            retry_after = None
+            async with self._semaphore:
+                await self._limiter.wait()
+                if self._stopped is not None:
+                    raise self._stopped
+                reservation = self.spend.reserve(prompt_chars, self.max_tokens)
+                self.spend.requests += 1
+                judgment.requests += 1
+                try:
+                    response = await self._client.post("/chat/completions", body=self._body(messages), cast_to=object)
+                except openai.APIStatusError as err:
+                    status = err.status_code
+                    if status in FATAL_STATUS:
+                        self._stopped = JudgeEndpointError(self._fatal_message(err))
+                        raise self._stopped from None
+                    error = f"HTTP {status}: {redact(str(err.message), self._secret)[:300]}"
+                    if status not in RETRYABLE_STATUS:
+                        judgment.status, judgment.error = "api_error", error
+                        return None
+                    retry_after = retry_after_seconds(err.response.headers)
+                except openai.APITimeoutError:
+                    error = f"timed out after {self.timeout_s:g}s"
+                except openai.APIConnectionError as err:
+                    error = f"connection error: {redact(str(err), self._secret)[:300]}"
+                else:
+                    text = _reply_text(response)
+                    if text is not None:
+                        self._record_usage(response, prompt_chars, text, judgment)
+                        return text
+                    error = f"malformed response (not a chat completion): {str(response)[:200]!r}"
+                finally:
+                    self.spend.release(reservation)
+            if attempt < self.retry.max_attempts:
+                delay = self.retry.delay(attempt, retry_after)
+                log.debug("judge request failed (%s); attempt %d, retrying in %.2fs", error, attempt, delay)
+                await asyncio.sleep(delay)
+        judgment.status = "api_error"
+        judgment.error = f"{error} (gave up after {self.retry.max_attempts} attempts)"
+        return None
+
+    def _body(self, messages: list[dict[str, str]]) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "messages": messages,
+            "temperature": self.temperature,
+            self.max_tokens_param: self.max_tokens,
+            **self.extra_body,
+        }
+
+    def _record_usage(self, response: dict[str, Any], prompt_chars: int, text: str, judgment: Judgment) -> None:
+        usage = response.get("usage") or {}
+        if isinstance(usage.get("prompt_tokens"), int):
+            prompt_tokens, completion_tokens = usage["prompt_tokens"], int(usage.get("completion_tokens") or 0)
+        else:
+            # Some compatible servers omit usage; estimate (~4 characters per token) so budgets still count.
+            if not self._warned_no_usage:
+                log.warning("judge endpoint %s returned no token usage; counting estimates", self.base_url)
+                self._warned_no_usage = True
+            prompt_tokens, completion_tokens = math.ceil(prompt_chars / 4), math.ceil(len(text) / 4)
+        self.spend.record(prompt_chars, prompt_tokens, completion_tokens)
+        judgment.prompt_tokens += prompt_tokens
+        judgment.completion_tokens += completion_tokens
+
+    def _fatal_message(self, err: openai.APIStatusError) -> str:
+        detail = err.message
+        body = err.body
+        if isinstance(body, dict):
+            inner = body.get("error", body)
+            detail = inner.get("message", detail) if isinstance(inner, dict) else str(inner)
+        detail = redact(str(detail), self._secret)[:300]
+        return (
+            f"judge endpoint {self.base_url} refused model {self.model!r}: HTTP {err.status_code}: {detail} "
+            f"({_FATAL_HINTS[err.status_code]})"
+        )
+
+    async def aclose(self) -> None:
+        await self._client.close()
+
+
+def _reply_text(response: Any) -> str | None:
+    """The assistant text of a chat-completion body (an empty reply is ""), or None if it is not one."""
+    try:
+        content = response["choices"][0]["message"].get("content")
+    except (TypeError, KeyError, IndexError, AttributeError):
+        return None
+    return content if isinstance(content, str) else ""
+
+
+def _aiohttp_transport() -> Any:
+    """openai's aiohttp-backed HTTP client (the `openai[aiohttp]` extra), or None for the default httpx one.
+
+    openai recommends it for high concurrency: it needs ~40% less CPU per request than the httpx
+    transport, which at 32 requests in flight is what limits throughput (bench/judge_throughput.py).
+    Errors, timeouts and headers surface exactly as with httpx.
+    """
+    client_class = getattr(openai, "DefaultAioHttpClient", None)  # openai releases before mid-2025 lack it
+    if client_class is None:
+        return None
+    try:
+        return client_class()
+    except RuntimeError:  # openai installed without the aiohttp extra
+        return None

@@ -1,0 +1,345 @@
+"""`run_evaluation`: completions, then pairings, then judging (through the cache), then statistics and the report.
+
+Reads top to bottom like the stage diagram. Generation runs before the event loop starts; judging
+runs in one event loop, where every judgment is written to the cache as it returns. A failure that
+no judgment can survive (bad key or model, budget) raises; nothing partial is reported as a result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from tqdm.auto import tqdm
+
+from rloo_engine.evaluation.budget import Price, SpendTracker
+from rloo_engine.evaluation.cache import JudgmentCache, cache_key
+from rloo_engine.evaluation.config import PAIRINGS, EvalConfig
+from rloo_engine.evaluation.data import EvalPrompt, load_completions, load_prompts, prompt_text, save_completions
+from rloo_engine.evaluation.judges import build_judge, read_api_key
+from rloo_engine.evaluation.judges.base import Judgment, SlotPair
+from rloo_engine.evaluation.judges.python_judge import import_function
+from rloo_engine.evaluation.pairings import Order, PairItem, build_items, choose_pairings, combine_orders, winner
+from rloo_engine.evaluation.report import EvalReport, Usage, write_report, write_table
+from rloo_engine.evaluation.scoring import JudgedItem, paired_difference, summarize_pairing
+from rloo_engine.evaluation.templates import JudgeTemplate, load_template
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+SlotKey = tuple[str, str, Order]  # (pairing, prompt_id, order)
+
+
+def run_evaluation(
+    cfg: EvalConfig,
+    *,
+    policy_path: str | Path | None = None,
+    sft_path: str | Path | None = None,
+    output_dir: str | Path | None = None,
+) -> EvalReport:
+    """Runs every configured pairing and returns the report (also written to `<output_dir>/results.json`).
+
+    `policy_path` / `sft_path` generate completions from that model, overriding the config's model
+    path or completions file for that side. `output_dir` overrides `cfg.output_dir`. Raises
+    ConfigError (bad option or input), JudgeEndpointError (401/403/404) or BudgetExceededError.
+    """
+    started = time.perf_counter()
+    cfg = _apply_overrides(cfg, policy_path, sft_path, output_dir)
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    template = load_template(cfg.judge.template) if cfg.judge.backend in ("openai", "hf") else None
+    # Fail on a missing key or an unimportable rule now, not after generating.
+    if cfg.judge.backend == "openai":
+        read_api_key(cfg.judge)
+        import rloo_engine.evaluation.judges.openai_judge  # noqa: F401  (slow import, kept out of judging_s)
+    if cfg.judge.backend == "python":
+        import_function(cfg.judge.function or "")
+
+    # 1. prompts and completions of each side
+    prompts = load_prompts(
+        cfg.prompts,
+        split=cfg.split,
+        prompt_column=cfg.prompt_column,
+        reference_column=cfg.reference_column,
+        max_prompts=cfg.max_prompts,
+    )
+    completions, completion_paths = collect_completions(cfg, prompts, out_dir)
+    generated = time.perf_counter()
+
+    # 2. pairings: which prompts are compared in which orders
+    names = choose_pairings(cfg.pairings, set(completions))
+    texts = [(ep.prompt_id, prompt_text(ep.prompt)) for ep in prompts]
+    items: dict[str, list[PairItem]] = {}
+    missing: dict[str, int] = {}
+    for name in names:
+        side_a, side_b = PAIRINGS[name]
+        items[name], missing[name] = build_items(
+            name, completions[side_a], completions[side_b], texts, cfg.order_mode, cfg.seed
+        )
+
+    # 3. judging, through the cache
+    price = _price(cfg)
+    spend = SpendTracker(price, cfg.budget_usd, cfg.judge.model or "")
+    cache_path = cfg.resolved_cache_path()
+    with JudgmentCache(cache_path) as cache:
+        slots, results, identity, template_hash = _run(
+            judge_items(cfg, template, spend, [i for name in names for i in items[name]], cache)
+        )
+    judged_at = time.perf_counter()
+
+    # 4. statistics
+    judged = {
+        name: [_judged_item(item, slots, results, cfg.both_orders_rule) for item in items[name]] for name in names
+    }
+    pairing_results = {
+        name: summarize_pairing(name, *PAIRINGS[name], judged[name], missing[name], cfg) for name in names
+    }
+    difference = None
+    if "policy_vs_reference" in judged and "sft_vs_reference" in judged:
+        difference = paired_difference(judged["policy_vs_reference"], judged["sft_vs_reference"], cfg)
+
+    # 5. report
+    results_path, judgments_path = out_dir / "results.json", out_dir / "judgments.jsonl"
+    write_table(judgments_path, _table_rows(judged, slots, results, template_hash))
+    n_identical = sum(r.n_identical for r in pairing_results.values())
+    finished = time.perf_counter()
+    report = EvalReport(
+        pairings=pairing_results,
+        paired_difference=difference,
+        usage=_usage(results, price, cfg.budget_usd, n_identical),
+        judge={
+            "backend": cfg.judge.backend,
+            "model": cfg.judge.model,
+            "base_url": cfg.judge.base_url,
+            "function": cfg.judge.function,
+            "template": template.info() if template else None,
+            "identity": identity,
+            "order_mode": cfg.order_mode,
+            "both_orders_rule": cfg.both_orders_rule if cfg.order_mode == "both" else None,
+        },
+        warnings=_warnings(pairing_results, cfg),
+        timings={
+            "generation_s": round(generated - started, 3),
+            "judging_s": round(judged_at - generated, 3),
+            "statistics_s": round(finished - judged_at, 3),
+            "total_s": round(finished - started, 3),
+        },
+        completions=completion_paths,
+        results_path=results_path,
+        judgments_path=judgments_path,
+        cache_path=cache_path,
+        config=cfg.model_dump(mode="json"),
+    )
+    write_report(report)
+    for warning in report.warnings:
+        log.warning(warning)
+    return report
+
+
+def _apply_overrides(
+    cfg: EvalConfig, policy_path: str | Path | None, sft_path: str | Path | None, output_dir: str | Path | None
+) -> EvalConfig:
+    update: dict[str, Any] = {}
+    if policy_path is not None:
+        update.update(policy_model_path=str(policy_path), policy_completions=None)
+    if sft_path is not None:
+        update.update(sft_model_path=str(sft_path), sft_completions=None)
+    if output_dir is not None:
+        update["output_dir"] = str(output_dir)
+    return cfg.model_copy(update=update)
+
+
+def collect_completions(
+    cfg: EvalConfig, prompts: list[EvalPrompt], out_dir: Path
+) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
+    """({side: {prompt_id: completion}}, {side: JSONL path}) for each side that has a source."""
+    sides: dict[str, dict[str, str]] = {}
+    paths: dict[str, str] = {}
+    completions_dir = out_dir / "completions"
+    if cfg.reference_column:
+        sides["reference"] = {ep.prompt_id: ep.reference for ep in prompts if ep.reference is not None}
+        paths["reference"] = str(save_completions(completions_dir / "reference.jsonl", prompts, sides["reference"]))
+    elif cfg.reference_completions:
+        sides["reference"] = load_completions(cfg.reference_completions)
+        paths["reference"] = cfg.reference_completions
+    for side in ("policy", "sft"):
+        model_path, file = getattr(cfg, f"{side}_model_path"), getattr(cfg, f"{side}_completions")
+        if model_path:
+            from rloo_engine.evaluation.generate import generate_or_reuse  # imports torch
+
+            out_path = completions_dir / f"{side}.jsonl"
+            sides[side] = generate_or_reuse(
+                model_path, prompts, cfg.generation, out_path, field=f"{side}_model_path", progress=cfg.progress
+            )
+            paths[side] = str(out_path)
+        elif file:
+            sides[side] = load_completions(file)
+            paths[side] = file
+    return sides, paths
+
+
+async def judge_items(
+    cfg: EvalConfig, template: JudgeTemplate | None, spend: SpendTracker, items: list[PairItem], cache: JudgmentCache
+) -> tuple[dict[SlotKey, str], dict[str, tuple[Judgment, bool]], dict[str, Any], str | None]:
+    """Judges every (item, order) not in the cache; returns (slot -> cache key, key -> (judgment, cached),
+    judge identity, template hash). Each new judgment is written to the cache as soon as it returns."""
+    judge = build_judge(cfg.judge, template, spend)
+    try:
+        identity = judge.identity()
+        slots: dict[SlotKey, str] = {}
+        requests: dict[str, SlotPair] = {}
+        for item in items:
+            for order in item.orders:
+                pair = item.slot_pair(order)
+                key = cache_key(identity, pair)
+                slots[(item.pairing, item.prompt_id, order)] = key
+                requests.setdefault(key, pair)
+        results = {key: (j, True) for key, j in cache.get_many(requests).items()}
+        todo = [key for key in requests if key not in results]
+        if results:
+            log.info("judge cache %s: %d of %d judgments already done", cache.path, len(results), len(requests))
+        bar = tqdm(total=len(requests), initial=len(results), desc="judging", unit="judgment", disable=not cfg.progress)
+
+        def record(index: int, judgment: Judgment) -> None:
+            key = todo[index]
+            cache.put(key, identity, judge.template_hash, requests[key], judgment)
+            results[key] = (judgment, False)
+            bar.update(1)
+
+        try:
+            await judge.judge([requests[key] for key in todo], record)
+        finally:
+            bar.close()
+    finally:
+        await judge.aclose()
+    return slots, results, identity, judge.template_hash
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """Runs `coro` to completion, in a worker thread when this thread already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def _judged_item(
+    item: PairItem, slots: dict[SlotKey, str], results: dict[str, tuple[Judgment, bool]], rule: str
+) -> JudgedItem:
+    judgments = {order: results[slots[(item.pairing, item.prompt_id, order)]][0] for order in item.orders}
+    return JudgedItem(item, judgments, combine_orders(item, judgments, rule))
+
+
+def _price(cfg: EvalConfig) -> Price | None:
+    if cfg.judge.backend != "openai" or cfg.judge.model not in cfg.prices:
+        return None
+    p = cfg.prices[cfg.judge.model]
+    return Price(p.input_per_million, p.output_per_million)
+
+
+def _usage(
+    results: dict[str, tuple[Judgment, bool]], price: Price | None, budget: float | None, n_identical: int
+) -> Usage:
+    fresh = [j for j, cached in results.values() if not cached]
+    every = [j for j, _ in results.values()]
+    pt, ct = sum(j.prompt_tokens for j in fresh), sum(j.completion_tokens for j in fresh)
+    total_pt, total_ct = sum(j.prompt_tokens for j in every), sum(j.completion_tokens for j in every)
+    return Usage(
+        requests=sum(j.requests for j in fresh),
+        judgments_made=len(fresh),
+        judgments_cached=len(every) - len(fresh),
+        judgments_without_call=n_identical,
+        prompt_tokens=pt,
+        completion_tokens=ct,
+        cost_usd=price.cost(pt, ct) if price else None,
+        total_prompt_tokens=total_pt,
+        total_completion_tokens=total_ct,
+        total_cost_usd=price.cost(total_pt, total_ct) if price else None,
+        budget_usd=budget,
+    )
+
+
+def _warnings(results: dict[str, Any], cfg: EvalConfig) -> list[str]:
+    warnings = []
+    for r in results.values():
+        failed = r.n_parse_error + r.n_api_error
+        if failed:
+            warnings.append(
+                f"{r.name}: {failed} of {r.n} prompts have no verdict ({r.n_parse_error} parse_error, "
+                f"{r.n_api_error} api_error); the win rate is over the {r.n_valid} valid ones"
+            )
+        if r.n_missing:
+            warnings.append(f"{r.name}: {r.n_missing} prompts lack a completion from {r.model_a} or {r.model_b}")
+        if r.win_rate is not None and r.lc_win_rate is not None:
+            gap = r.lc_win_rate - r.win_rate
+            if abs(gap) > cfg.lc_warning_threshold:
+                warnings.append(
+                    f"{r.name}: length-controlled win rate {r.lc_win_rate:.3f} differs from the raw {r.win_rate:.3f} "
+                    f"by {gap:+.3f} (mean lengths {r.mean_length_a:.1f} vs {r.mean_length_b:.1f} {r.length_unit}); "
+                    "the judge may be rewarding length"
+                )
+    return warnings
+
+
+def _table_rows(
+    judged: dict[str, list[JudgedItem]],
+    slots: dict[SlotKey, str],
+    results: dict[str, tuple[Judgment, bool]],
+    template_hash: str | None,
+) -> list[dict[str, Any]]:
+    rows = []
+    for name, judged_items in judged.items():
+        model_a, model_b = PAIRINGS[name]
+        names = {"a": model_a, "b": model_b, "tie": "tie"}
+        for ji in judged_items:
+            item = ji.item
+            base = {
+                "pairing": name,
+                "prompt_id": item.prompt_id,
+                "prompt": item.prompt,
+                "model_a": model_a,
+                "model_b": model_b,
+                "completion_a": item.completion_a,
+                "completion_b": item.completion_b,
+                "template_hash": template_hash,
+            }
+            if not item.orders:
+                rows.append(
+                    {
+                        **base,
+                        "order": None,
+                        "status": "ok",
+                        "parsed_verdict": "tie",
+                        "winner": "tie",
+                        "prompt_tokens": 0,
+                        "completion_tokens": 0,
+                        "cached": False,
+                    }
+                )
+            for order in item.orders:
+                key = slots[(name, item.prompt_id, order)]
+                j, cached = results[key]
+                w = winner(order, j.verdict) if j.status == "ok" else None
+                rows.append(
+                    {
+                        **base,
+                        "order": order,
+                        "status": j.status,
+                        "raw_verdict": j.raw_texts[0] if j.raw_texts else None,
+                        "raw_verdict_reask": j.raw_texts[1] if len(j.raw_texts) > 1 else None,
+                        "parsed_verdict": j.verdict,
+                        "winner": names[w] if w else None,
+                        "prompt_tokens": j.prompt_tokens,
+                        "completion_tokens": j.completion_tokens,
+                        "cached": cached,
+                        "error": j.error,
+                        "cache_key": key,
+                    }
+                )
+    return rows

@@ -1,0 +1,104 @@
+"""From judged prompts to reported numbers: one PairingResult per pairing, and the policy-minus-SFT difference."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from rloo_engine.evaluation import stats
+from rloo_engine.evaluation.config import EvalConfig
+from rloo_engine.evaluation.judges.base import Judgment
+from rloo_engine.evaluation.pairings import ItemOutcome, Order, PairItem
+from rloo_engine.evaluation.report import PairedDifference, PairingResult
+
+
+@dataclass
+class JudgedItem:
+    item: PairItem
+    judgments: dict[Order, Judgment]
+    outcome: ItemOutcome
+
+
+def text_length(text: str, unit: str) -> int:
+    return len(text.split()) if unit == "words" else len(text)
+
+
+def _rate(numerator: int, denominator: int) -> float | None:
+    return None if denominator == 0 else numerator / denominator
+
+
+def summarize_pairing(
+    name: str, model_a: str, model_b: str, judged: Sequence[JudgedItem], n_missing: int, cfg: EvalConfig
+) -> PairingResult:
+    valid = [j for j in judged if j.outcome.status == "ok"]
+    units = np.array([u for j in valid for u in j.outcome.units])
+    n_win, n_loss, n_tie = int((units == 1.0).sum()), int((units == 0.0).sum()), int((units == 0.5).sum())
+    scores = np.array([j.outcome.score for j in valid], dtype=float)
+    len_a = np.array([text_length(j.item.completion_a, cfg.length_unit) for j in valid], dtype=float)
+    len_b = np.array([text_length(j.item.completion_b, cfg.length_unit) for j in valid], dtype=float)
+
+    ci = stats.bootstrap_mean_ci(scores, cfg.bootstrap_resamples, cfg.confidence_level, cfg.seed)
+    lc_ci = stats.bootstrap_lc_ci(scores, len_a, len_b, cfg.bootstrap_resamples, cfg.confidence_level, cfg.seed)
+
+    both_judged = [j for j in valid if j.outcome.consistent is not None]
+    slot_verdicts = [
+        judgment.verdict for j in valid for judgment in j.judgments.values() if judgment.verdict in ("A", "B")
+    ]
+    all_len_a = [text_length(j.item.completion_a, cfg.length_unit) for j in judged]
+    all_len_b = [text_length(j.item.completion_b, cfg.length_unit) for j in judged]
+    return PairingResult(
+        name=name,
+        model_a=model_a,
+        model_b=model_b,
+        n=len(judged),
+        n_valid=len(valid),
+        n_win=n_win,
+        n_loss=n_loss,
+        n_tie=n_tie,
+        n_parse_error=sum(j.outcome.status == "parse_error" for j in judged),
+        n_api_error=sum(j.outcome.status == "api_error" for j in judged),
+        n_identical=sum(j.outcome.identical for j in judged),
+        n_missing=n_missing,
+        win_rate=stats.win_rate(n_win, n_loss, n_tie),
+        se=stats.standard_error(scores),
+        ci_low=ci[0] if ci else None,
+        ci_high=ci[1] if ci else None,
+        lc_win_rate=stats.length_controlled_win_rate(scores, len_a, len_b),
+        lc_ci_low=lc_ci[0] if lc_ci else None,
+        lc_ci_high=lc_ci[1] if lc_ci else None,
+        consistency_rate=_rate(sum(bool(j.outcome.consistent) for j in both_judged), len(both_judged)),
+        first_slot_rate=_rate(slot_verdicts.count("A"), len(slot_verdicts)),
+        mean_length_a=float(np.mean(all_len_a)) if all_len_a else None,
+        mean_length_b=float(np.mean(all_len_b)) if all_len_b else None,
+        length_unit=cfg.length_unit,
+    )
+
+
+def paired_difference(first: Sequence[JudgedItem], second: Sequence[JudgedItem], cfg: EvalConfig) -> PairedDifference:
+    """Per-prompt score of `first` minus `second` (e.g. policy vs references minus SFT vs the same references)."""
+    second_scores = {j.item.prompt_id: j.outcome.score for j in second if j.outcome.status == "ok"}
+    common = [
+        (j.outcome.score, second_scores[j.item.prompt_id])
+        for j in first
+        if j.outcome.status == "ok" and j.item.prompt_id in second_scores
+    ]
+    a = np.array([c[0] for c in common], dtype=float)
+    b = np.array([c[1] for c in common], dtype=float)
+    diff = a - b
+    ci = stats.bootstrap_mean_ci(diff, cfg.bootstrap_resamples, cfg.confidence_level, cfg.seed)
+    test = stats.sign_test(a, b)
+    return PairedDifference(
+        first=first[0].item.pairing if first else "policy_vs_reference",
+        second=second[0].item.pairing if second else "sft_vs_reference",
+        n=len(common),
+        difference=float(diff.mean()) if len(common) else None,
+        se=stats.standard_error(diff),
+        ci_low=ci[0] if ci else None,
+        ci_high=ci[1] if ci else None,
+        n_first_better=test.n_first_better,
+        n_second_better=test.n_second_better,
+        n_same=test.n_same,
+        p_value=test.p_value,
+    )
