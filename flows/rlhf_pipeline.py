@@ -1,0 +1,69 @@
+"""Flow `rlhf-pipeline`: ingest SFT -> check rewards -> RLOO training -> judge win rates -> promotion gate.
+
+    python -m flows.rlhf_pipeline --config configs/pipeline_example.yaml [--set train.max_steps=100 ...]
+    prefect deployment run 'rlhf-pipeline/on-demand' --param overrides='{"train.learning_rate": 3e-6}'
+
+`cfg` is validated by Prefect before the run starts; `overrides` (dotted keys) are applied and
+validated first thing. The flow returns the run summary (reward start/end, KL, win rates with CIs,
+gate result, MLflow run URL), which is also the `rlhf-summary` markdown artifact.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from prefect import flow
+
+from tasks.config import PipelineConfig
+from tasks.evaluate import evaluate_win_rate
+from tasks.ingest import ingest_sft_checkpoint
+from tasks.registry import register_policy
+from tasks.reward import load_reward_model
+from tasks.run_setup import open_pipeline_run
+from tasks.summary import publish_failure_summary, publish_summary
+from tasks.tracking import run_status
+from tasks.train import train_rloo
+
+TITLE = "RLHF pipeline"
+
+
+@flow(name="rlhf-pipeline", log_prints=True)
+def rlhf_pipeline(cfg: PipelineConfig, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """RLOO fine-tuning of an SFT checkpoint, judged against SFT and references, registered when it wins.
+
+    Args:
+        cfg: the pipeline configuration (see configs/pipeline_example.yaml).
+        overrides: dotted-key changes applied to `cfg`, e.g. {"train.learning_rate": 3e-6}.
+    """
+    cfg = cfg.with_overrides(overrides)
+    train = train_rloo.with_options(retries=cfg.launch.retries, retry_delay_seconds=cfg.launch.retry_delay_seconds)
+    run = open_pipeline_run(cfg, "rlhf-pipeline")
+    sft = reward = policy = evaluation = promotion = None
+    with run_status(run.parent):
+        try:
+            sft = ingest_sft_checkpoint(cfg.sft, run.dir, run.parent)
+            reward = load_reward_model(cfg.reward, cfg.data, sft, cfg.train.dtype, run.dir, run.parent)
+            policy = train(cfg, sft, reward, run.dir, run.parent)
+            evaluation = evaluate_win_rate(cfg, policy.final_dir, sft.local_path, run.dir, run.parent)
+            promotion = register_policy(cfg.tracking, policy, evaluation, sft, run.dir, run.parent)
+        except Exception as err:
+            publish_failure_summary(
+                TITLE,
+                run.dir,
+                run.parent,
+                err,
+                sft=sft,
+                reward=reward,
+                trained=policy,
+                evaluation=evaluation,
+                promotion=promotion,
+            )
+            raise
+        return publish_summary(TITLE, run.dir, run.parent, sft, reward, policy, evaluation, promotion)
+
+
+if __name__ == "__main__":
+    from flows.cli import run_from_command_line
+
+    sys.exit(run_from_command_line(rlhf_pipeline, sys.argv[1:], prog="python -m flows.rlhf_pipeline"))

@@ -1,0 +1,393 @@
+"""PipelineConfig: the typed, validated parameter of the `rlhf-pipeline` and `evaluate-policy` flows.
+
+It is the flow parameter, so Prefect validates it before a flow run starts any work: a bad value on
+`prefect deployment run` fails the run at once, with the field named in the flow-run logs. The engine
+options (`train`) use RLOOConfig's names and are checked by building the engine's own RLOOConfig, so
+`num_generations: 1` fails here, not minutes later inside `accelerate launch`.
+
+Secrets are never fields: the judge's API key and tokens are read at run time from a Prefect Secret
+block or the worker's environment (`evaluation.api_key_secret`, `launch.secret_env`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+
+from rloo_engine.config import ConfigError, RLOOConfig, build_config, format_validation_error, load_yaml
+from rloo_engine.evaluation.config import (
+    EvalConfig,
+    GenerationConfig,
+    JudgeConfig,
+    PairingName,
+    TokenPrice,
+    build_eval_config,
+)
+from tasks.profiles import ACCELERATE_PROFILES, PROFILE_ENV
+
+# RLOOConfig options the pipeline fills in from its other sections or its run directory.
+PIPELINE_OWNED_ENGINE_FIELDS = {
+    "model_name_or_path": "sft.source",
+    "reward_model_name_or_path": "reward.model",
+    "reward_funcs": "reward.functions",
+    "reward_weights": "reward.weights",
+    "dataset_name": "data.train_prompts",
+    "dataset_config": "data.train_config",
+    "dataset_train_split": "data.train_split",
+    "output_dir": "output_root (each flow run writes under its own directory)",
+    "run_name": "the flow run's name",
+    "resume_from_checkpoint": "the flow run's directory (a Prefect retry resumes from its latest checkpoint)",
+}
+
+
+def F(default: Any, doc: str, **kw: Any) -> Any:
+    """A documented field: `doc` says what it means, why the default, and when to change it."""
+    return Field(default, description=doc, **kw)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SFTSection(_Section):
+    """The SFT checkpoint RLOO starts from (and the baseline the policy is judged against)."""
+
+    source: str = F(
+        ...,
+        "A local directory in `save_pretrained` format, a Hugging Face hub id, or an MLflow model URI "
+        "(`models:/<name>@<alias>`, `models:/<name>/<version>`, `runs:/<run_id>/<path>`).",
+        min_length=1,
+    )
+    revision: str | None = F(None, "Hub revision (branch, tag or commit) when `source` is a hub id.")
+
+
+class RewardSection(_Section):
+    """Where rewards come from: a reward model, reward functions, or both (weighted)."""
+
+    model: str | None = F(
+        None,
+        "Reward model (`AutoModelForSequenceClassification`, num_labels=1): a local directory, hub id or MLflow "
+        "model URI, like `sft.source`. It is probe-scored before training; NaN or constant scores are rejected.",
+    )
+    functions: list[str] = F(
+        [], "Reward functions as `module:function` import paths; each is imported and probe-called before training."
+    )
+    weights: list[float] | None = F(
+        None, "Weight of each source: the reward model first (if any), then each function. None = all 1.0."
+    )
+    probe_samples: int = F(
+        8, "Prompt/completion pairs scored by the pre-training probe. More catches more degenerate models.", ge=2
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RewardSection:
+        if not self.model and not self.functions:
+            raise ValueError("reward: neither `model` nor `functions` is set; give a reward model or a reward function")
+        return self
+
+
+class DataSection(_Section):
+    """Training prompts, evaluation prompts and reference completions."""
+
+    train_prompts: str = F(
+        ...,
+        "Training prompt dataset (RLOOConfig `dataset_name`): a .jsonl/.json/.parquet/.csv file, a dataset "
+        "directory or a hub id, with a `prompt` column.",
+    )
+    train_config: str | None = F(
+        None, "Dataset configuration name of a hub training set (RLOOConfig `dataset_config`)."
+    )
+    train_split: str = F("train", "Split of the training set (RLOOConfig `dataset_train_split`).")
+    eval_prompts: str = F(..., "Evaluation prompt set: a file, dataset directory or hub id, like `train_prompts`.")
+    eval_split: str = F("test", "Split of the evaluation set (plain files have a single split).")
+    prompt_column: str = F("prompt", "Column of the evaluation set holding the prompt.")
+    reference_column: str | None = F(
+        None, "Column of the evaluation set holding reference completions (e.g. human TL;DR summaries)."
+    )
+    reference_completions: str | None = F(
+        None, "A completions JSONL file (`prompt` or `prompt_id`, and `completion`) used as the references instead."
+    )
+
+
+def _train_options_model() -> type[BaseModel]:
+    """RLOOConfig's fields, minus those the pipeline owns, with the same names, types, defaults and docs."""
+    fields = {
+        name: (info.annotation, copy.deepcopy(info))
+        for name, info in RLOOConfig.model_fields.items()
+        if name not in PIPELINE_OWNED_ENGINE_FIELDS
+    }
+    return create_model(
+        "TrainOptions",
+        __config__=ConfigDict(extra="forbid", populate_by_name=True),
+        __doc__="Engine options, with RLOOConfig's names and meanings (see docs/configuration.md).",
+        **fields,
+    )
+
+
+TrainOptions = _train_options_model()
+
+
+class LaunchSection(_Section):
+    """How the training process is launched: `accelerate launch` with a profile from deployments/accelerate/."""
+
+    profile: str | None = F(
+        None,
+        f"Accelerate config: one of {', '.join(ACCELERATE_PROFILES)} (deployments/accelerate/<profile>.yaml) or "
+        f"the path of an accelerate YAML file. None = the `{PROFILE_ENV}` environment variable (a job variable of "
+        "the work pool or deployment), else `single_gpu` when CUDA is available and `cpu` otherwise.",
+    )
+    num_processes: int | None = F(
+        None, "Processes over all machines (`--num_processes`). None = the profile's value.", ge=1
+    )
+    num_machines: int = F(
+        1, "Machines taking part (`--num_machines`); each runs this flow's launch with its rank.", ge=1
+    )
+    machine_rank: int = F(0, "Rank of this machine (`--machine_rank`) when `num_machines > 1`.", ge=0)
+    main_process_ip: str | None = F(None, "Address of rank 0 (`--main_process_ip`) when `num_machines > 1`.")
+    main_process_port: int | None = F(None, "Port of rank 0 (`--main_process_port`).", ge=1, le=65535)
+    env: dict[str, str] = F(
+        {}, "Extra environment variables for the training process only (e.g. NCCL_*). Never put secrets here."
+    )
+    secret_env: dict[str, str] = F(
+        {},
+        "Environment variables for the training process read from Prefect Secret blocks at run time: "
+        "{ENV_VAR: secret-block-name}, e.g. {HF_TOKEN: hf-token}. The values are never parameters or logged.",
+    )
+    retries: int = F(
+        1, "Prefect retries of the training task. A retry resumes from the latest checkpoint of the same run.", ge=0
+    )
+    retry_delay_seconds: float = F(10.0, "Wait before a retry (lets a crashed node release its GPUs).", ge=0.0)
+    timeout_seconds: float | None = F(
+        None,
+        "Kill training (the whole process group) after this many seconds and fail the task. None = no limit.",
+        gt=0.0,
+    )
+    log_interval_seconds: float = F(
+        10.0,
+        "At most one line of training output per this many seconds goes to the Prefect logs (errors and "
+        "tracebacks always do); the full output is in the `train.log` artifact.",
+        ge=0.0,
+    )
+    kill_grace_seconds: float = F(
+        10.0, "On cancellation or failure, SIGTERM the process group, wait this long, then SIGKILL it.", ge=0.0
+    )
+    gpu_concurrency_limit: str | None = F(
+        None,
+        "Name of a Prefect global concurrency limit held while training (one slot), e.g. `gpu-node-{hostname}` with "
+        "limit 1 keeps one GPU job per node. `{hostname}` is replaced by the worker's host name. None = no limit "
+        "(rely on `prefect worker start --limit 1` per node instead).",
+    )
+
+
+class EvaluationSection(_Section):
+    """The judge evaluation: which judge, which pairings, how many prompts. See docs/evaluation.md."""
+
+    judge: JudgeConfig = F(..., "The judge and how it is called (required: no paid API is ever picked by default).")
+    pairings: list[PairingName] | None = F(
+        None,
+        "Comparisons: policy_vs_reference, sft_vs_reference, policy_vs_sft. None = all whose sides are available. "
+        "The promotion gate needs policy_vs_sft.",
+    )
+    num_samples: int | None = F(None, "Evaluate the first this many eval prompts. None = all.", ge=1)
+    order_mode: Literal["both", "single"] = F("both", "`both`: judge each pair in both orders (position-bias control).")
+    both_orders_rule: Literal["agree", "average"] = F("agree", "`agree`: a win counts only when both orders agree.")
+    generation: GenerationConfig = Field(
+        default_factory=GenerationConfig,
+        description="How policy and SFT completions are generated (greedy by default).",
+    )
+    bootstrap_resamples: int = F(2000, "Bootstrap resamples for each confidence interval.", ge=1000)
+    confidence_level: float = F(0.95, "Coverage of the confidence intervals.", gt=0.5, lt=1.0)
+    seed: int = F(0, "Seed of single-order coin flips and bootstraps.")
+    prices: dict[str, TokenPrice] = F({}, "Judge price table, USD per million tokens, keyed by judge model.")
+    budget_usd: float | None = F(None, "Stop before the judge spend could pass this many dollars.", gt=0.0)
+    cache_path: str | None = F(
+        None, "Shared SQLite judgment cache. None = one cache per flow run, in its evaluation directory."
+    )
+    progress: bool = F(
+        False, "Progress bars for generation and judging on the flow process's stderr (off: worker logs stay readable)."
+    )
+    api_key_secret: str | None = F(
+        None,
+        "Name of a Prefect Secret block holding the judge's API key. It is read at run time and exposed as "
+        "`judge.api_key_env` to the evaluation only. None = the worker's environment must already have it.",
+    )
+
+
+class PromotionGate(_Section):
+    """When a trained policy becomes a registry candidate."""
+
+    min_ci_low: float = F(
+        0.5,
+        "Register the policy only when the lower bound of the policy-vs-SFT win-rate CI reaches this value. "
+        "0.5 means: better than SFT with the configured confidence.",
+        ge=0.0,
+        le=1.0,
+    )
+    alias: str = F("candidate", "Registry alias moved to the new version when the gate passes.", min_length=1)
+
+
+class TrackingSection(_Section):
+    """MLflow experiment and registry."""
+
+    tracking_uri: str | None = F(
+        None,
+        "MLflow tracking server, e.g. http://mlflow.internal:5000. None = the MLFLOW_TRACKING_URI environment "
+        "variable (a job variable of the work pool); one of the two must be set.",
+    )
+    experiment: str = F("rlhf-pipeline", "MLflow experiment holding one parent run per flow run.", min_length=1)
+    registered_model: str = F(
+        "rloo-policy", "Model Registry name the promoted policy is registered under.", min_length=1
+    )
+    promotion: PromotionGate = Field(default_factory=PromotionGate, description="The promotion gate.")
+
+
+class PipelineConfig(_Section):
+    """All options of one pipeline run: ingest -> reward -> train -> evaluate -> register."""
+
+    sft: SFTSection
+    reward: RewardSection
+    data: DataSection
+    train: TrainOptions = Field(  # type: ignore[valid-type]
+        default_factory=TrainOptions,
+        description="Engine options (RLOOConfig names); the engine's own validation applies.",
+    )
+    launch: LaunchSection = Field(default_factory=LaunchSection, description="How training is launched.")
+    evaluation: EvaluationSection
+    tracking: TrackingSection = Field(
+        default_factory=TrackingSection, description="MLflow experiment, registry and promotion gate."
+    )
+    output_root: str = F(
+        "outputs/pipeline",
+        "Root of run outputs; each flow run writes to `<output_root>/<flow-run-id>/`, so concurrent runs never "
+        "share files. Use shared storage when workers on several nodes must see each other's checkpoints.",
+        min_length=1,
+    )
+
+    @model_validator(mode="after")
+    def _check_engine_and_eval(self) -> PipelineConfig:
+        # Placeholders stand for what the run resolves later (downloaded checkpoints, the run directory);
+        # the engine's and the evaluation's own cross-field rules are checked here, before any work.
+        try:
+            self.engine_config(
+                sft_path="<sft>",
+                reward_model_path="<reward-model>" if self.reward.model else None,
+                output_dir="<run>/train",
+                run_name="<run>",
+            )
+        except ConfigError as err:
+            raise ValueError(str(err)) from None
+        try:
+            self.eval_config(output_dir="<run>/eval")
+        except ConfigError as err:
+            raise ValueError(str(err)) from None
+        return self
+
+    # ------------------------------------------------------------------ derived configs
+    def engine_config(
+        self, *, sft_path: str, reward_model_path: str | None, output_dir: str, run_name: str
+    ) -> RLOOConfig:
+        """The engine's RLOOConfig for this run: `train` plus the resolved model paths and the run's directory."""
+        values = self.train.model_dump()
+        values.update(
+            model_name_or_path=sft_path,
+            reward_model_name_or_path=reward_model_path,
+            reward_funcs=list(self.reward.functions),
+            reward_weights=self.reward.weights,
+            dataset_name=self.data.train_prompts,
+            dataset_config=self.data.train_config,
+            dataset_train_split=self.data.train_split,
+            output_dir=output_dir,
+            run_name=run_name,
+            resume_from_checkpoint="latest",
+        )
+        return build_config(values, source="PipelineConfig.train")
+
+    def eval_config(self, *, output_dir: str) -> EvalConfig:
+        """The evaluation library's EvalConfig; policy and SFT paths are passed to `run_evaluation` separately."""
+        e = self.evaluation
+        values: dict[str, Any] = dict(
+            prompts=self.data.eval_prompts,
+            split=self.data.eval_split,
+            prompt_column=self.data.prompt_column,
+            reference_column=self.data.reference_column,
+            reference_completions=self.data.reference_completions,
+            max_prompts=e.num_samples,
+            generation=e.generation.model_dump(),
+            pairings=e.pairings,
+            judge=e.judge.model_dump(),
+            order_mode=e.order_mode,
+            both_orders_rule=e.both_orders_rule,
+            seed=e.seed,
+            bootstrap_resamples=e.bootstrap_resamples,
+            confidence_level=e.confidence_level,
+            prices={k: v.model_dump() for k, v in e.prices.items()},
+            budget_usd=e.budget_usd,
+            output_dir=output_dir,
+            cache_path=e.cache_path,
+            progress=e.progress,
+        )
+        return build_eval_config(values, source="PipelineConfig.evaluation")
+
+    def flat_params(self) -> dict[str, str]:
+        """Every option as a stable dotted name (`train.learning_rate`, `sft.source`, ...) for MLflow params."""
+        return {k: _param_value(v) for k, v in _flatten(self.model_dump(mode="json")).items()}
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> PipelineConfig:
+        """Reads a YAML config; `overrides` are dotted keys (`train.learning_rate: 1e-5`) applied on top."""
+        return build_pipeline_config(load_yaml(path), overrides, source=str(path))
+
+    def with_overrides(self, overrides: dict[str, Any] | None) -> PipelineConfig:
+        """A validated copy with dotted-key overrides applied (the flows' `overrides` parameter)."""
+        if not overrides:
+            return self
+        return build_pipeline_config(self.model_dump(mode="json"), overrides, source="overrides")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def build_pipeline_config(
+    values: dict[str, Any], overrides: dict[str, Any] | None = None, source: str = "PipelineConfig"
+) -> PipelineConfig:
+    """Validates `values` (plus dotted-key `overrides`) into a PipelineConfig; ConfigError names every bad field."""
+    merged = copy.deepcopy(values)
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(merged, dotted, value, source)
+    try:
+        return PipelineConfig.model_validate(merged)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source)) from None
+
+
+def _set_dotted(values: dict[str, Any], dotted: str, value: Any, source: str) -> None:
+    node = values
+    parts = dotted.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{source}: {dotted}: {'.'.join(parts[: i + 1])} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value and key not in ("generation_kwargs", "chat_template_kwargs", "env"):
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _param_value(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text[:6000]  # MLflow's limit on a param value

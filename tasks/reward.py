@@ -1,0 +1,143 @@
+"""Task `load_reward_model`: check every reward source before training, by loading it and probe-scoring.
+
+A reward model gets the checkpoint checks of the SFT model plus `num_labels == 1`, then scores a few
+prompt/completion pairs: NaN or constant scores reject it (a broken head or a pooling bug would
+otherwise train the policy on noise). Reward functions must import and return one float (or None)
+per completion. The probe statistics are recorded in the `reward` MLflow run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel
+
+from rloo_engine.config import ConfigError
+from tasks import tracking
+from tasks.checkpoints import CheckpointInfo
+from tasks.config import DataSection, RewardSection
+from tasks.ingest import ingest_checkpoint
+from tasks.tracking import RunRef
+
+log = logging.getLogger(__name__)
+
+
+class RewardStats(BaseModel):
+    mean: float | None
+    std: float | None
+    min: float | None
+    max: float | None
+    n_scored: int
+
+
+class RewardInfo(BaseModel):
+    """The checked reward sources, and what each scored on the probe."""
+
+    model: CheckpointInfo | None
+    functions: list[str]
+    probe: dict[str, RewardStats]
+
+
+@task(name="load_reward_model", cache_policy=NO_CACHE)
+def load_reward_model(
+    reward: RewardSection, data: DataSection, sft: CheckpointInfo, dtype: str, run_dir: str, parent: RunRef
+) -> RewardInfo:
+    """Ingests the reward model (if any), imports the reward functions, and probe-scores all of them."""
+    with tracking.stage_run(parent, "reward") as run:
+        model = None
+        if reward.model:
+            model = ingest_checkpoint(reward.model, "reward_model", "reward.model", run_dir, run)
+            if model.facts.num_labels != 1:
+                raise ConfigError(
+                    f"reward.model: {reward.model} has num_labels={model.facts.num_labels}; "
+                    "a reward model must have num_labels=1"
+                )
+        stats, rows = probe_rewards(
+            reward, data, sft.local_path, model.local_path if model else None, dtype, get_run_logger()
+        )
+        for name, s in stats.items():
+            tracking.log_metrics(run, {f"probe/{name}/{k}": v for k, v in s.model_dump().items()})
+        tracking.client(run.tracking_uri).log_table(run.run_id, data=rows, artifact_file="reward_probe.json")
+        tracking.log_params(run, {"reward.functions": reward.functions, "reward.weights": reward.weights})
+        return RewardInfo(model=model, functions=list(reward.functions), probe=stats)
+
+
+def probe_rewards(
+    reward: RewardSection,
+    data: DataSection,
+    tokenizer_path: str,
+    model_path: str | None,
+    dtype: str = "float32",
+    logger: logging.Logger | logging.LoggerAdapter = log,
+) -> tuple[dict[str, RewardStats], dict[str, list]]:
+    """Scores `reward.probe_samples` training prompts, each with another prompt's text as a stand-in completion."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from rloo_engine.data import extra_columns, load_prompt_dataset
+    from rloo_engine.rewards import RewardModelSource, compute_rewards, load_reward_function
+
+    dataset = load_prompt_dataset(data.train_prompts, data.train_config, data.train_split)
+    rows = [dataset[i] for i in range(min(reward.probe_samples, len(dataset)))]
+    prompts = [r["prompt"] for r in rows]
+    # Real text from the same distribution, different for every row, so a working model cannot score it all alike.
+    texts = [_plain_text(p) for p in prompts]
+    completions = [" " + texts[(i + 1) % len(texts)] for i in range(len(texts))]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    completion_ids = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions]
+
+    sources = []
+    if model_path:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        sources.append(RewardModelSource(model_path, device=device, dtype=_torch_dtype(dtype)))
+    sources.extend(load_reward_function(f) for f in reward.functions)
+    result = compute_rewards(sources, reward.weights, None, prompts, completions, completion_ids, extra_columns(rows))
+
+    stats: dict[str, RewardStats] = {}
+    table: dict[str, list] = {"prompt": [str(p) for p in prompts], "completion": completions}
+    for j, name in enumerate(result.names):
+        column = result.per_source[:, j]
+        table[name] = [None if math.isnan(v) else v for v in column.tolist()]
+        scored = column[~column.isnan()]
+        s = RewardStats(
+            mean=scored.mean().item() if scored.numel() else None,
+            std=scored.std().item() if scored.numel() > 1 else None,
+            min=scored.min().item() if scored.numel() else None,
+            max=scored.max().item() if scored.numel() else None,
+            n_scored=scored.numel(),
+        )
+        stats[name] = s
+        logger.info("reward probe %s: mean=%s std=%s over %d of %d", name, s.mean, s.std, s.n_scored, len(prompts))
+        if name == "reward_model":
+            _check_model_scores(column, model_path or "", len(set(completions)))
+        elif s.n_scored == 0:
+            logger.warning("reward.functions: %s returned None for every probe completion", name)
+    del sources
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the GPU belongs to the training process next
+    return stats, table
+
+
+def _check_model_scores(scores, path: str, distinct_inputs: int) -> None:
+    if scores.isnan().any():
+        raise ConfigError(f"reward.model: {path} returned NaN for {int(scores.isnan().sum())} probe completions")
+    if distinct_inputs > 1 and (scores.max() - scores.min()).item() <= 1e-6 * max(1.0, scores.abs().max().item()):
+        raise ConfigError(
+            f"reward.model: {path} gave every probe completion the same score ({scores[0].item():.6g}); "
+            "a constant reward carries no signal (untrained head? wrong pooling or pad token?)"
+        )
+
+
+def _plain_text(prompt) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return str(prompt[-1].get("content", "")) if prompt else ""
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)

@@ -1,0 +1,87 @@
+"""End to end: `prefect deployment run 'rlhf-pipeline/on-demand' --watch` via a real worker, servers and registry."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+STAGES = {"ingest", "reward", "train", "evaluate", "register"}
+PAIRINGS = ("policy_vs_reference", "sft_vs_reference", "policy_vs_sft")
+
+
+def test_on_demand_run_is_tracked_and_registered_when_the_gate_passes(deployed):
+    overrides = {"tracking.registered_model": "tiny-policy-pass"}
+    flow_run_id, cli = deployed.run("rlhf-pipeline/on-demand", "--param", f"overrides={json.dumps(overrides)}")
+    assert cli.returncode == 0, cli.stdout + cli.stderr + deployed.worker.log_tail(80)
+    assert deployed.flow_run(flow_run_id).state.name == "Completed"
+
+    runs = deployed.mlflow_runs(flow_run_id)
+    assert set(runs) == STAGES | {"pipeline"}
+    parent = runs.pop("pipeline")
+    for stage, run in runs.items():
+        assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id, stage
+        assert run.info.status == "FINISHED", stage
+    assert parent.info.status == "FINISHED"
+    assert parent.data.tags["prefect.deployment"] == "rlhf-pipeline/on-demand"
+    assert parent.data.tags["rloo.sft_digest"].startswith("sha256:")
+    assert parent.data.tags["mlflow.source.git.commit"] != ""
+    assert parent.data.params["train.learning_rate"] == "0.003"
+    assert parent.data.params["train.num_generations"] == "4"
+
+    client = deployed.services.mlflow()
+    reward_history = client.get_metric_history(runs["train"].info.run_id, "reward")
+    assert [m.step for m in reward_history] == [2, 4, 6, 8]
+    train_artifacts = {a.path for a in client.list_artifacts(runs["train"].info.run_id)}
+    assert {"reward_curve.png", "metrics.jsonl", "config.yaml", "completions.json", "logs"} <= train_artifacts
+
+    eval_metrics = runs["evaluate"].data.metrics
+    for pairing in PAIRINGS:
+        low, rate, high = (eval_metrics[f"{pairing}/{k}"] for k in ("ci_low", "win_rate", "ci_high"))
+        assert 0.0 <= low <= rate <= high <= 1.0, pairing
+        assert eval_metrics[f"{pairing}/n"] == 16
+        assert eval_metrics[f"{pairing}/n_parse_error"] == 0 and eval_metrics[f"{pairing}/n_api_error"] == 0
+    eval_artifacts = {a.path for a in client.list_artifacts(runs["evaluate"].info.run_id)}
+    assert {"judgments.json", "results.json", "judgments.jsonl"} <= eval_artifacts
+    judgments = json.loads(open(client.download_artifacts(runs["evaluate"].info.run_id, "judgments.json")).read())
+    assert len(judgments["data"]) >= 16 * 3  # both orders per prompt, minus identical-answer ties
+
+    artifacts = {a.key: a for a in deployed.artifacts(flow_run_id)}
+    assert artifacts["rlhf-summary"].type == "markdown"
+    assert "policy_vs_sft" in artifacts["rlhf-summary"].data and parent.info.run_id in artifacts["rlhf-summary"].data
+    assert artifacts["win-rates"].type == "table"
+
+    version = client.get_model_version_by_alias("tiny-policy-pass", "candidate")
+    assert version.run_id == runs["register"].info.run_id
+    assert version.tags["sft_digest"] == parent.data.tags["rloo.sft_digest"]
+
+
+def test_gate_failure_records_why_and_registers_nothing(deployed):
+    overrides = {"tracking.registered_model": "tiny-policy-fail", "tracking.promotion.min_ci_low": 1.0}
+    flow_run_id, cli = deployed.run("rlhf-pipeline/on-demand", "--param", f"overrides={json.dumps(overrides)}")
+    assert cli.returncode == 0, cli.stdout + cli.stderr + deployed.worker.log_tail(80)
+
+    runs = deployed.mlflow_runs(flow_run_id)
+    register = runs["register"]
+    assert register.info.status == "FINISHED"
+    assert register.data.tags["rloo.gate"] == "failed"
+    assert "< min_ci_low 1.000" in register.data.tags["rloo.gate_reason"]
+    assert register.data.metrics["gate/passed"] == 0.0
+    client = deployed.services.mlflow()
+    assert not client.search_registered_models(filter_string="name = 'tiny-policy-fail'")
+    assert "not registered" in deployed.logs(flow_run_id)
+
+
+def test_nightly_deployment_has_its_schedule_on_the_server(deployed):
+    with deployed.services.prefect_settings(), deployed.client() as c:
+        nightly = c.read_deployment_by_name("rlhf-pipeline/nightly")
+        on_demand = c.read_deployment_by_name("rlhf-pipeline/on-demand")
+        evaluate = c.read_deployment_by_name("evaluate-policy/on-demand")
+    assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"]
+    assert nightly.schedules[0].active
+    assert not on_demand.schedules and not evaluate.schedules
+    assert nightly.work_pool_name == "gpu-pool"
+    assert nightly.parameters["cfg"]["train"]["num_generations"] == 4  # parameters come from the config file
+    assert nightly.job_variables["env"]["MLFLOW_TRACKING_URI"] == deployed.services.mlflow_uri

@@ -1,0 +1,99 @@
+"""Failure handling of the training task through a real worker: a retry resumes, a cancel kills the process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_retry_resumes_from_the_checkpoint_the_crashed_attempt_left(deployed):
+    # The engine exits with code 3 right after step 4 and its checkpoint-4; the retry must continue at step 5.
+    overrides = {"launch.env": {"RLOO_ENGINE_CRASH_AT_STEP": "4"}, "tracking.registered_model": "tiny-policy-retry"}
+    flow_run_id, cli = deployed.run("rlhf-pipeline/on-demand", "--param", f"overrides={json.dumps(overrides)}")
+    assert cli.returncode == 0, cli.stdout + cli.stderr + deployed.worker.log_tail(80)
+
+    train_task = next(t for t in deployed.task_runs(flow_run_id) if t.name.startswith("train_rloo"))
+    assert train_task.run_count == 2
+    logs = deployed.logs(flow_run_id)
+    assert "injected crash" in logs
+    assert "attempt 2: resuming from" in logs and "checkpoint-4" in logs
+
+    train = deployed.mlflow_runs(flow_run_id)["train"]
+    assert train.info.status == "FINISHED"
+    assert train.data.tags["rloo.attempts"] == "2"
+    assert train.data.tags["rloo.resumed_from"] == "checkpoint-4"
+    # A restart would log steps 2 and 4 twice; a resume logs every step once and reaches max_steps.
+    history = deployed.services.mlflow().get_metric_history(train.info.run_id, "reward")
+    assert sorted(m.step for m in history) == [2, 4, 6, 8]
+    run_dir = Path(deployed.mlflow_runs(flow_run_id)["pipeline"].data.tags["rloo.output_dir"])
+    log_text = (run_dir / "train" / "train.log").read_text()
+    assert "resumed from" in log_text and "at step 4" in log_text
+    steps = [json.loads(line)["step"] for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 4, 6, 8]
+
+
+def _training_processes(flow_run_id: str) -> list[psutil.Process]:
+    """The accelerate launcher and engine processes of this flow run (their command lines hold its output dir)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if flow_run_id in cmdline and "rloo_config.yaml" in cmdline:
+            found.append(proc)
+    return found
+
+
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    alive = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def test_cancelling_during_training_kills_the_process_group_and_marks_the_run_killed(deployed):
+    overrides = {"train.max_steps": 5000, "train.save_steps": 0, "tracking.registered_model": "tiny-policy-cancel"}
+    flow_run_id, _ = deployed.run(
+        "rlhf-pipeline/on-demand", "--param", f"overrides={json.dumps(overrides)}", watch=False
+    )
+
+    # Wait until the engine is training: its processes exist and it has logged a reward to MLflow.
+    client = deployed.services.mlflow()
+    deadline = time.monotonic() + 240
+    procs: list[psutil.Process] = []
+    while time.monotonic() < deadline:
+        runs = deployed.mlflow_runs(flow_run_id)
+        procs = _alive(_training_processes(flow_run_id))
+        if "train" in runs and procs and client.get_metric_history(runs["train"].info.run_id, "reward"):
+            break
+        time.sleep(1)
+    else:
+        raise AssertionError(f"training never started:\n{deployed.logs(flow_run_id)}\n{deployed.worker.log_tail(80)}")
+    assert len(procs) >= 2, "expected the accelerate launcher and the engine process"
+    groups = {os.getpgid(p.pid) for p in procs}
+    assert len(groups) == 1 and groups != {os.getpgid(deployed.worker.proc.pid)}, "training runs in its own group"
+
+    cancelled_at = time.monotonic()
+    deployed.services.cli("flow-run", "cancel", flow_run_id)
+    while _alive(procs) and time.monotonic() - cancelled_at < 30:
+        time.sleep(0.5)
+    assert not _alive(procs), f"still running 30 s after cancel: {[p.pid for p in _alive(procs)]}"
+    assert not _alive(_training_processes(flow_run_id))
+
+    def train_status() -> str:
+        return client.get_run(deployed.mlflow_runs(flow_run_id)["train"].info.run_id).info.status
+
+    while train_status() == "RUNNING" and time.monotonic() - cancelled_at < 30:
+        time.sleep(0.5)
+    assert train_status() == "KILLED"
+    assert deployed.mlflow_runs(flow_run_id)["pipeline"].info.status == "KILLED"
+    assert deployed.wait_for_state(flow_run_id, {"Cancelled", "Crashed", "Failed"}).state.name == "Cancelled"
