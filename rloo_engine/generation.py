@@ -125,8 +125,9 @@ class HFGenerationBackend:
         cache = DynamicCache(config=model.config)
         prefix_mask = prompt_mask[:, :-1]
         position_ids = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
+        # Only the cache is wanted; logits_to_keep=1 avoids a (P, prompt_len, vocab) logits tensor.
         model(input_ids=prompt_ids[:, :-1], attention_mask=prefix_mask, position_ids=position_ids,
-              cache=cache, use_cache=True)
+              cache=cache, use_cache=True, logits_to_keep=1)
         cache.batch_repeat_interleave(g)
         return model.generate(
             input_ids=prompt_ids.repeat_interleave(g, 0),

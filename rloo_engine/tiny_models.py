@@ -59,6 +59,7 @@ def train_tokenizer(
             vocab_size=vocab_size,
             special_tokens=specials,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
         )
     elif style == "unigram":
         tok = Tokenizer(models.Unigram())
@@ -67,6 +68,7 @@ def train_tokenizer(
             special_tokens=specials,
             unk_token=UNK,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
         )
     else:
         raise ValueError(f"style: {style!r}; expected 'bpe' or 'unigram'")

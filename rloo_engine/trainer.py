@@ -118,8 +118,12 @@ class RLOOTrainer:
 
     @contextmanager
     def _timed(self, name: str):
+        # GPU work is asynchronous: without a sync it would be billed to whichever phase waits next.
+        sync = torch.cuda.synchronize if self.acc.device.type == "cuda" else lambda: None
+        sync()
         start = time.perf_counter()
         yield
+        sync()
         self.window[f"timing/{name}"].append(time.perf_counter() - start)
 
     # ------------------------------------------------------------------ one generation batch
@@ -150,8 +154,10 @@ class RLOOTrainer:
         old_logps, kl = None, torch.zeros_like(rewards)
         with self._timed("reference"):
             if c.beta > 0 or not self.on_policy:
+                self.policy.eval()  # the sampling policy's log-probs, without dropout noise
                 old_logps = batched_token_logps(self.policy, input_ids, attention_mask, P, c.temperature,
                                                 c.per_device_train_batch_size)
+                self.policy.train()
             if c.beta > 0:
                 with reference_context(self.acc.unwrap_model(self.policy), self.ref):
                     ref_logps = batched_token_logps(self.ref or self.policy, input_ids, attention_mask, P,
@@ -225,7 +231,8 @@ class RLOOTrainer:
         while self.global_step < self.total_steps:
             if self.batch is None or self.cursor == micro_per_batch:
                 if self.synced_step != self.global_step:  # e.g. a vLLM backend holds its own weights
-                    self.backend.sync_weights(self.acc.unwrap_model(self.policy))
+                    with self._timed("weight_sync"):
+                        self.backend.sync_weights(self.acc.unwrap_model(self.policy))
                     self.synced_step = self.global_step
                 self.batch, self.cursor = self.generation_step(), 0
             mb = self.batch.micro_batch(self.cursor % self.steps_per_generation, c.per_device_train_batch_size)
@@ -246,7 +253,6 @@ class RLOOTrainer:
             self.scheduler.step()
             self.global_step += 1
             self.window["step_time"].append(time.perf_counter() - step_start)
-            step_start = time.perf_counter()
             if c.sync_ref_model and self.ref is not None and self.global_step % c.ref_model_sync_steps == 0:
                 sync_reference(self.acc.unwrap_model(self.policy), self.ref, c.ref_model_mixup_alpha)
             if self.global_step % c.logging_steps == 0 or self.global_step == self.total_steps:
@@ -259,6 +265,7 @@ class RLOOTrainer:
                 self.acc.wait_for_everyone()
                 print(f"rloo-engine: {CRASH_ENV}={crash_at} reached; exiting to simulate a crash", file=sys.stderr)
                 sys.exit(3)
+            step_start = time.perf_counter()  # after logging and saving, so they are not billed to the next step
         bar.close()
         final = ckpt.save_final(self.acc, self.policy, self.tokenizer, out)
         self._finish_logging(out)
