@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
-# The main job on a fresh machine: set up, build tiny offline assets, run RLOO on configs/tiny.yaml.
+# The main job on a fresh machine: set up, then run the offline demo pipeline (assets -> RLOO -> judge -> registry).
+# Extra arguments go to `python -m flows.demo` (e.g. --smoke, --home DIR).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-venv="${RLOO_VENV:-.venv}"
-[ -d .rloo-tiny/policy ] || "$venv/bin/rloo-engine" tiny-assets .rloo-tiny
-exec "$venv/bin/rloo-engine" train --config configs/tiny.yaml "$@"
+exec "${RLOO_VENV:-.venv}/bin/python" -m flows.demo "$@"

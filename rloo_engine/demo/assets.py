@@ -12,13 +12,13 @@ an interrupted build never leaves a directory that looks finished.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import random
 import shutil
 import time
 import uuid
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -32,7 +32,7 @@ MANIFEST = "manifest.json"
 _SOURCES = ("task.py", "sft.py", "reward_model.py", "assets.py")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class DemoAssets:
     """Paths of one built asset directory, and what the build measured."""
 
@@ -49,8 +49,10 @@ def asset_key(settings: AssetSettings, seed: int) -> str:
     """Hash of everything that decides the assets' content."""
     here = Path(__file__).parent
     sources = hashlib.sha256(b"".join((here / name).read_bytes() for name in _SOURCES)).hexdigest()
-    blob = json.dumps({"version": ASSET_VERSION, "settings": asdict(settings), "seed": seed, "sources": sources},
-                      sort_keys=True)
+    blob = json.dumps(
+        {"version": ASSET_VERSION, "settings": dataclasses.asdict(settings), "seed": seed, "sources": sources},
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -80,8 +82,8 @@ def build_demo_assets(root: str | Path, smoke: bool = False, seed: int = 0, prog
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     built = load_demo_assets(root)
-    assert built is not None
-    return built
+    assert built is not None, f"{root}/{MANIFEST} missing right after the build wrote it"
+    return dataclasses.replace(built, from_cache=False)
 
 
 def load_demo_assets(root: str | Path) -> DemoAssets | None:
@@ -116,7 +118,7 @@ def _build(out: Path, s: AssetSettings, seed: int, key: str, progress: bool) -> 
     rng = random.Random(seed)
     train_specs, eval_specs = task.prompt_specs(seed, s.eval_fraction)
     stages = tqdm(total=4, desc="demo assets", unit="stage", disable=not progress, dynamic_ncols=True)
-    with _quiet_transformers():
+    with _quiet_transformers(), _one_torch_thread():
         stages.set_postfix_str("data and tokenizer")
         examples = [(p, task.sft_completion(rng, p)) for p in (task.sample_prompt(rng, train_specs)
                                                                  for _ in range(s.sft_examples))]
@@ -165,7 +167,7 @@ def _build(out: Path, s: AssetSettings, seed: int, key: str, progress: bool) -> 
         "version": ASSET_VERSION,
         "key": key,
         "seed": seed,
-        "settings": asdict(s),
+        "settings": dataclasses.asdict(s),
         "paths": {"sft_dir": "sft", "reward_model_dir": "reward_model", "train_prompts": "train_prompts.jsonl",
                   "eval_prompts": "eval_prompts.jsonl"},
         "summary": summary,
@@ -197,6 +199,20 @@ def _quiet_transformers() -> Iterator[None]:
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """Runs the build on one intra-op thread: faster for models this small, and far faster when other
+    processes share the cores (measured on 2 busy cores: 95 s on one thread, 570 s on two)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
