@@ -161,13 +161,14 @@ def register_model_version(name: str, alias: str, final_dir: str, run_dir: str, 
     previous = _alias_version(c, name, alias)
     artifact_uri = c.get_run(stage.run_id).info.artifact_uri
     mv = c.create_model_version(name, source=f"{artifact_uri}/policy", run_id=stage.run_id)
+    version = str(mv.version)  # a SQL store answers an int, a tracking server a string
     get_transaction().set(
         "registration",
-        {"tracking_uri": stage.tracking_uri, "name": name, "alias": alias, "version": mv.version, "previous": previous},
+        {"tracking_uri": stage.tracking_uri, "name": name, "alias": alias, "version": version, "previous": previous},
     )
-    c.set_registered_model_alias(name, alias, mv.version)
+    c.set_registered_model_alias(name, alias, version)
     return RegisteredVersion(
-        model_name=name, alias=alias, version=mv.version, previous_version=previous, model_uri=f"models:/{name}@{alias}"
+        model_name=name, alias=alias, version=version, previous_version=previous, model_uri=f"models:/{name}@{alias}"
     )
 
 
@@ -222,7 +223,7 @@ def _version_description(trained: TrainResult, gate: dict) -> str:
 
 def _alias_version(c, name: str, alias: str) -> str | None:
     try:
-        return c.get_model_version_by_alias(name, alias).version
+        return str(c.get_model_version_by_alias(name, alias).version)
     except Exception:
         return None
 

@@ -42,4 +42,6 @@ def test_demo_smoke_prints_summary_and_records_every_stage(tmp_path):
     for pairing in ("policy_vs_sft", "policy_vs_reference", "sft_vs_reference"):
         for metric in ("win_rate", "ci_low", "ci_high", "lc_win_rate"):
             assert f"{pairing}/{metric}" in evaluation.data.metrics
+    # smoke mode's gate threshold is 0, so the registration path runs too
+    assert client.get_model_version_by_alias("rloo-demo-policy", "candidate").run_id is not None
     assert str(home / "mlartifacts") in exp.artifact_location.replace("file://", "")

@@ -7,7 +7,7 @@ A return value may also be judge text ending in a `Preferred: A|B` line; anythin
 as a `parse_error` (with the value recorded), never as a guess. `async def` functions are awaited
 on the event loop; plain functions run in a worker thread, so a slow rule never blocks it. An
 exception raised by the function stops the evaluation: it is a bug in the rule, not a judgment.
-The function's source code is part of the cache key, so editing the rule re-judges.
+The source of the function's module is part of the cache key, so editing the rule (or a helper it calls) re-judges.
 """
 
 from __future__ import annotations
@@ -42,10 +42,15 @@ def import_function(path: str, field: str = "judge.function") -> Callable[..., A
 
 
 def _source_hash(fn: Callable[..., Any]) -> str:
+    """Hash of the source of the function's whole module: a rule usually calls helpers (scores, weights)
+    defined beside it, and editing any of them must re-judge rather than reuse cached verdicts."""
     try:
-        source = inspect.getsource(fn)
+        source = inspect.getsource(inspect.getmodule(fn) or fn)
     except (OSError, TypeError):
-        source = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
+        try:
+            source = inspect.getsource(fn)
+        except (OSError, TypeError):
+            source = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
     return hashlib.sha256(source.encode("utf-8")).hexdigest()[:16]
 
 
