@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
 from rloo_engine.demo import task
-from rloo_engine.demo.sft import warmup_cosine
+from rloo_engine.demo.sft import fit, shuffled_batches
 
 
 @dataclass(frozen=True)
@@ -120,28 +119,15 @@ def train_reward_model(
     rng = random.Random(seed)
     model = reward_model_from_policy(policy_dir)
     model.config.pad_token_id = tokenizer.pad_token_id
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.98), weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, steps, max(1, steps // 20)))
-    model.train()
-    losses: list[float] = []
-    order: list[int] = []
-    bar = tqdm(range(steps), desc="demo assets: reward model", unit="step", disable=not progress, dynamic_ncols=True)
-    for _ in bar:
-        if len(order) < batch_size:
-            order = list(range(len(train_pairs)))
-            rng.shuffle(order)
-        batch = [train_pairs[order.pop()] for _ in range(batch_size)]
+
+    def pair_loss(batch: list[PreferencePair]) -> torch.Tensor:
         # Chosen and rejected in one forward: rows [0, B) chosen, [B, 2B) rejected.
-        scores = score_texts(model, tokenizer, [p.prompt + p.chosen for p in batch] + [p.prompt + p.rejected for p in batch])
-        loss = bradley_terry_loss(scores[:batch_size], scores[batch_size:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    bar.close()
+        texts = [p.prompt + p.chosen for p in batch] + [p.prompt + p.rejected for p in batch]
+        scores = score_texts(model, tokenizer, texts)
+        return bradley_terry_loss(scores[: len(batch)], scores[len(batch):])
+
+    losses = fit(model, shuffled_batches(train_pairs, batch_size, rng), pair_loss, steps, learning_rate,
+                 "demo assets: reward model", progress)
     accuracy = pairwise_accuracy(model, tokenizer, heldout_pairs)
     out = Path(out_dir)
     model.save_pretrained(out)

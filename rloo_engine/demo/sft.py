@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +77,37 @@ def warmup_cosine(step: int, total: int, warmup: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def shuffled_batches(items: list, batch_size: int, rng: random.Random) -> Iterator[list]:
+    """Endless batches drawn without replacement, reshuffled whenever an epoch is used up."""
+    order: list[int] = []
+    while True:
+        if len(order) < batch_size:
+            order = list(range(len(items)))
+            rng.shuffle(order)
+        yield [items[order.pop()] for _ in range(batch_size)]
+
+
+def fit(model: torch.nn.Module, batches: Iterator, loss_fn: Callable[[list], torch.Tensor], steps: int,
+        learning_rate: float, desc: str, progress: bool) -> list[float]:
+    """The builders' training loop: AdamW, warmup then cosine decay, gradient clipping, a progress bar."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.98), weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, steps, max(1, steps // 20)))
+    model.train()
+    losses: list[float] = []
+    bar = tqdm(range(steps), desc=desc, unit="step", disable=not progress, dynamic_ncols=True)
+    for _ in bar:
+        loss = loss_fn(next(batches))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    bar.close()
+    return losses
+
+
 @dataclass
 class SFTResult:
     path: Path
@@ -110,26 +142,9 @@ def train_sft(
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     rows = [tokenize_example(tokenizer, p, c) for p, c in examples]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.98), weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, steps, max(1, steps // 20)))
-    model.train()
-    losses: list[float] = []
-    order: list[int] = []
-    bar = tqdm(range(steps), desc="demo assets: SFT policy", unit="step", disable=not progress, dynamic_ncols=True)
-    for _ in bar:
-        if len(order) < batch_size:  # reshuffle once an epoch is used up
-            order = list(range(len(rows)))
-            rng.shuffle(order)
-        batch = collate([rows[order.pop()] for _ in range(batch_size)], tokenizer.pad_token_id)
-        loss = completion_loss(model, batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    bar.close()
+    losses = fit(model, shuffled_batches(rows, batch_size, rng),
+                 lambda rows_: completion_loss(model, collate(rows_, tokenizer.pad_token_id)),
+                 steps, learning_rate, "demo assets: SFT policy", progress)
     out = Path(out_dir)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
