@@ -12,6 +12,7 @@ The judge is an offline stand-in for GPT-4: the task's hidden gold rule through 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import warnings
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 UI_PORT = 5000
+GOLD = "rewards/gold_reward/mean"
 
 
 def configure_environment(home: Path) -> dict[str, str]:
@@ -89,6 +91,15 @@ def ensure_experiment(tracking_uri: str, name: str, artifacts: Path) -> None:
         client.create_experiment(name, artifact_location=artifacts.resolve().as_uri())
 
 
+def gold_score_trend(train_dir: Path) -> str:
+    """First -> last logged `rewards/gold_reward/mean`: whether the reward model's gains are real ones."""
+    path = train_dir / "metrics.jsonl"
+    if not path.is_file():
+        return "n/a"
+    values = [row[GOLD] for row in map(json.loads, path.read_text().splitlines()) if GOLD in row]
+    return f"{values[0]:.4f} -> {values[-1]:.4f}" if values else "n/a"
+
+
 def render_summary(s: dict[str, Any], stores: dict[str, str], smoke: bool) -> str:
     """The demo's summary as Markdown: printed in the terminal and published as a Prefect artifact."""
     pct = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731
@@ -97,6 +108,7 @@ def render_summary(s: dict[str, Any], stores: dict[str, str], smoke: bool) -> st
     exp, run = s["mlflow"]["experiment_id"], s["mlflow"]["run_id"]
     rows = [
         ("reward (learned RM), start -> end", f"{num(train.get('reward_start'))} -> {num(train.get('reward_end'))}"),
+        ("gold score (hidden rule, weight 0), start -> end", gold_score_trend(Path(s["output_dir"]) / "train")),
         ("KL to the SFT policy at the end", num(train.get("kl_end"))),
     ]
     for name in ("policy_vs_sft", "policy_vs_reference", "sft_vs_reference"):

@@ -21,7 +21,8 @@ def test_demo_smoke_prints_summary_and_records_every_stage(tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    for line in ("# RLOO demo summary (smoke mode)", "reward (learned RM), start -> end", "win rate policy vs sft",
+    for line in ("# RLOO demo summary (smoke mode)", "reward (learned RM), start -> end",
+                 "gold score (hidden rule, weight 0), start -> end", "win rate policy vs sft",
                  "win rate policy vs reference", "length-controlled", "promotion gate", "MLflow run",
                  "mlflow ui --backend-store-uri", "prefect server start"):
         assert line in out, line
