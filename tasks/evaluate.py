@@ -16,32 +16,15 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
+from rloo_engine.evaluation.report import PairingResult
 from tasks import tracking
 from tasks.config import PipelineConfig
 from tasks.secrets import read_secret_block, scoped_env
 from tasks.tracking import RunRef
 
-PAIRING_METRICS = (
-    "win_rate",
-    "se",
-    "ci_low",
-    "ci_high",
-    "lc_win_rate",
-    "lc_ci_low",
-    "lc_ci_high",
-    "n",
-    "n_valid",
-    "n_win",
-    "n_loss",
-    "n_tie",
-    "n_parse_error",
-    "n_api_error",
-    "n_identical",
-    "n_missing",
-    "consistency_rate",
-    "first_slot_rate",
-    "mean_length_a",
-    "mean_length_b",
+# Every numeric statistic of the library's PairingResult, so one added there is logged here as well.
+PAIRING_METRICS = tuple(
+    name for name, f in PairingResult.model_fields.items() if f.annotation in (int, float, float | None)
 )
 
 
