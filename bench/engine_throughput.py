@@ -44,7 +44,7 @@ MAX_POSITIONS = 512  # max_position_embeddings of the models `tiny_models` build
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=256, help="model hidden size (intermediate = 2x)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers")
     p.add_argument("--vocab", type=int, default=2000, help="BPE tokenizer vocabulary size")
@@ -268,7 +268,7 @@ def summarize(measured: list[dict], args: argparse.Namespace, n: dict[str, int])
     step_time = sum(r["step_time"] for r in measured) / steps
     phases = {}
     for name in PHASES:
-        seconds = sum(r[f"timing/{name}"] for r in measured) / steps
+        seconds = sum(r[f"timing/{name}_s"] for r in measured) / steps
         flops = sum(step_flops(r, args, n)[name] for r in measured) / steps
         phases[name] = {"seconds": seconds, "share": seconds / step_time, "flops": flops,
                         "flop_per_s": flops / seconds if seconds else 0.0}

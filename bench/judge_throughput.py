@@ -92,7 +92,7 @@ async def raw_socket_baseline(port: int, n_requests: int, concurrency: int) -> f
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--judgments", type=int, default=1000, help="judgments to make (even: two orders per prompt)")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--latency", type=float, default=0.1, help="server latency per call, seconds")

@@ -7,13 +7,13 @@ is recorded on that server like a deployment run. MLflow needs MLFLOW_TRACKING_U
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from typing import Any
 
 import yaml
 
+from rloo_engine.argparsing import StrictArgumentParser
 from rloo_engine.config import ConfigError
 from tasks.config import PipelineConfig
 
@@ -30,7 +30,7 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
 
 
 def run_from_command_line(flow_fn, argv: list[str], prog: str, with_policy: bool = False) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=(flow_fn.description or "").split("\n")[0])
+    parser = StrictArgumentParser(prog=prog, description=(flow_fn.description or "").split("\n")[0])
     parser.add_argument("--config", required=True, help="PipelineConfig YAML file (see configs/)")
     parser.add_argument(
         "--set",

@@ -11,7 +11,6 @@ The judge is an offline stand-in for GPT-4: the task's hidden gold rule through 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -131,7 +130,9 @@ def render_summary(s: dict[str, Any], stores: dict[str, str], smoke: bool) -> st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flows.demo", description=__doc__.split("\n")[0])
+    from rloo_engine.argparsing import StrictArgumentParser
+
+    parser = StrictArgumentParser(prog="python -m flows.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny assets and a few training steps (CI)")
     parser.add_argument("--home", default=".rloo-demo", help="where every store, asset and output goes")
     args = parser.parse_args(argv)

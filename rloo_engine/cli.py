@@ -7,13 +7,24 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import os
 import sys
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
+from rloo_engine.argparsing import StrictArgumentParser
 from rloo_engine.config import ConfigError, RLOOConfig, build_config, load_yaml
+
+# Each command with the line `rloo-engine --help` shows for it.
+COMMANDS = {
+    "train": "train a policy with RLOO (YAML --config, overridden by TRL-style flags)",
+    "evaluate": "judge policy / SFT / reference completions pairwise: win rates with CIs (EvalConfig YAML)",
+    "tiny-assets": "write a tiny policy and prompt file for smoke runs (offline, seconds)",
+}
 
 # `trl rloo` / HF TrainingArguments flags that have no meaning here; accepted so TRL command lines
 # keep working, and reported so nobody believes they took effect.
@@ -74,7 +85,7 @@ def _add_field_flag(parser: argparse.ArgumentParser, name: str, annotation: Any,
 
 
 def train_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = StrictArgumentParser(
         prog="rloo-engine train",
         description="Train a policy with RLOO. Options come from --config (YAML) and are overridden by flags.",
     )
@@ -99,19 +110,59 @@ def parse_train_args(argv: list[str]) -> RLOOConfig:
     return build_config(values, source="rloo-engine train")
 
 
+def main_help() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: rloo-engine <command> [options]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {summary}" for name, summary in COMMANDS.items()]
+    lines += ["", "`rloo-engine <command> --help` lists the options of a command."]
+    return "\n".join(lines)
+
+
+def outputs_report(result, cfg: RLOOConfig) -> str:
+    """Where a finished `train` wrote its outputs: final model, metrics, checkpoints, the MLflow run."""
+    from rloo_engine.checkpoint import checkpoint_dirs
+
+    out = Path(cfg.output_dir)
+    checkpoints = checkpoint_dirs(out)
+    lines = [
+        f"rloo-engine: trained {result.global_step} steps; outputs in {out}/",
+        f"  final model   {result.final_dir or 'not saved'}",
+        f"  metrics       {result.metrics_path}",
+        f"  checkpoints   {', '.join(p.name for p in checkpoints) if checkpoints else 'none kept'}"
+        + (f" (resume with --resume_from_checkpoint latest)" if checkpoints else ""),
+        f"  completions   {out / 'completions.jsonl'}",
+    ]
+    tracking_uri, run_id = os.environ.get("MLFLOW_TRACKING_URI"), os.environ.get("MLFLOW_RUN_ID")
+    if run_id:
+        lines.append(f"  MLflow run    {run_id} at {tracking_uri or 'the default tracking URI'}")
+    elif tracking_uri:
+        experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "rloo-engine")
+        lines.append(f"  MLflow run    {cfg.run_name or 'a new run'} in experiment {experiment} at {tracking_uri}")
+    else:
+        lines.append("  MLflow run    none (set MLFLOW_TRACKING_URI to log to MLflow)")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ("train", "evaluate", "tiny-assets")
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print(f"usage: rloo-engine {{{','.join(commands)}}} [options]   (--help after a command for its options)")
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if not argv or argv[0] in ("-h", "--help"):
+        print(main_help())
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS:
+        close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        print(f"rloo-engine: error: unknown command {argv[0]!r}{hint} (one of {', '.join(COMMANDS)}; "
+              "`rloo-engine --help` describes them)", file=sys.stderr)
+        return 2
     command, rest = argv[0], argv[1:]
     try:
         if command == "train":
             cfg = parse_train_args(rest)
             from rloo_engine.trainer import train
 
-            train(cfg)
+            result = train(cfg)
+            if int(os.environ.get("RANK", "0")) == 0:  # one report per run, not one per process
+                print(outputs_report(result, cfg), flush=True)
             return 0
         if command == "evaluate":
             from rloo_engine.evaluation.cli import main as evaluate_main

@@ -6,6 +6,7 @@ descriptions (`python -m rloo_engine.config_docs`), so the reference cannot drif
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -234,8 +235,9 @@ class RLOOConfig(BaseModel):
                     f"generation batch is not divisible by num_generations={g}; each prompt's G completions "
                     "must stay together on one process"
                 )
-        if self.model_name_or_path.strip() == "":
-            raise ValueError("model_name_or_path: empty; expected a local directory or hub id")
+        check_model_source("model_name_or_path", self.model_name_or_path)
+        if self.reward_model_name_or_path:
+            check_model_source("reward_model_name_or_path", self.reward_model_name_or_path)
         if not self.reward_model_name_or_path and not self.reward_funcs:
             raise ValueError(
                 "reward_model_name_or_path / reward_funcs: neither is set; give a reward model or at least one reward function"
@@ -292,6 +294,31 @@ class RLOOConfig(BaseModel):
     @property
     def has_reference_model(self) -> bool:
         return self.beta > 0
+
+
+# A hub id is `name` or `owner/name` of letters, digits, `-`, `_`, `.`; anything else is meant as a path.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def check_model_source(field: str, value: str) -> None:
+    """Decides "local directory or hub id" from the string alone, before any hub or model code runs.
+
+    An existing path is local and must be a directory. A string shaped like a hub id (`gpt2`,
+    `Qwen/Qwen2.5-0.5B`) is left to the hub. Anything else (`/ckpt/sft`, `./out/final`, `~/m`,
+    `runs/1/train/final`) is a path that does not exist, reported as such instead of as a bad repo id.
+    """
+    if not value.strip():
+        raise ValueError(f"{field}: empty; expected a local model directory or a hub id like 'org/name'")
+    path = Path(value).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"{field}: {value} is a file; expected a model directory in save_pretrained format")
+        return
+    if value.startswith(("/", ".", "~")) or not _HUB_ID.match(value):
+        raise ValueError(
+            f"{field}: local path {value} does not exist; expected a model directory in save_pretrained format "
+            "or a hub id like 'org/name'"
+        )
 
 
 _SCHEDULERS = {

@@ -157,9 +157,9 @@ def write_prompt_file(path: str | Path, num_prompts: int = 64, seed: int = 0) ->
 
 def tiny_assets_main(argv: list[str]) -> int:
     """`rloo-engine tiny-assets DIR`: a tiny policy + prompt file for `configs/tiny.yaml` (offline, seconds)."""
-    import argparse
+    from rloo_engine.argparsing import StrictArgumentParser
 
-    parser = argparse.ArgumentParser(prog="rloo-engine tiny-assets", description=tiny_assets_main.__doc__)
+    parser = StrictArgumentParser(prog="rloo-engine tiny-assets", description=tiny_assets_main.__doc__)
     parser.add_argument("directory", nargs="?", default=".rloo-tiny")
     args = parser.parse_args(argv)
     root = Path(args.directory)

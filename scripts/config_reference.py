@@ -36,7 +36,7 @@ def render() -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("--check", action="store_true", help="exit 1 if docs/configuration.md is out of date")
     text = render()
     if parser.parse_args().check:

@@ -271,11 +271,13 @@ class PipelineConfig(_Section):
     @model_validator(mode="after")
     def _check_engine_and_eval(self) -> PipelineConfig:
         # Placeholders stand for what the run resolves later (downloaded checkpoints, the run directory);
-        # the engine's and the evaluation's own cross-field rules are checked here, before any work.
+        # the engine's and the evaluation's own cross-field rules are checked here, before any work. The
+        # model placeholders are hub-id shaped so the engine's path check leaves them alone: whether
+        # sft.source / reward.model exist is checked on the worker, by ingest, before anything is loaded.
         try:
             self.engine_config(
-                sft_path="<sft>",
-                reward_model_path="<reward-model>" if self.reward.model else None,
+                sft_path="resolved-at-run-time/sft",
+                reward_model_path="resolved-at-run-time/reward-model" if self.reward.model else None,
                 output_dir="<run>/train",
                 run_name="<run>",
             )

@@ -12,6 +12,7 @@ import argparse
 import logging
 import sys
 
+from rloo_engine.argparsing import StrictArgumentParser
 from rloo_engine.config import ConfigError
 from rloo_engine.evaluation.config import load_eval_config
 from rloo_engine.evaluation.errors import EvaluationError
@@ -20,7 +21,7 @@ from rloo_engine.evaluation.runner import run_evaluation
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = StrictArgumentParser(
         prog="rloo-engine evaluate",
         description="Pairwise win rates of policy / SFT / reference completions under an LLM judge.",
     )

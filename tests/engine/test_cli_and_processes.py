@@ -40,6 +40,10 @@ def test_trl_command_line_runs(tmp_path, qwen2_model, reward_model):
     proc = run([sys.executable, "-m", "rloo_engine", "train", *trl_args, "--disable_tqdm"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ignoring TRL flags with no effect here: report_to" in proc.stderr
+    # The run ends by saying where its outputs went.
+    assert f"final model   {out / 'final'}" in proc.stdout
+    assert f"metrics       {out / 'metrics.jsonl'}" in proc.stdout
+    assert "MLflow run    none (set MLFLOW_TRACKING_URI" in proc.stdout
     assert (out / "final" / "config.json").is_file()
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
@@ -88,7 +92,7 @@ def test_cli_reports_errors_before_loading_models(tmp_path):
     proc = run([sys.executable, "-m", "rloo_engine", "train", "--model_name_or_path", str(tmp_path / "missing"),
                 "--dataset_name", str(prompt_file(tmp_path)), "--reward_funcs", "rloo_engine.reward_functions:brevity"])
     assert proc.returncode == 2
-    assert f"model_name_or_path: cannot load a tokenizer from '{tmp_path / 'missing'}'" in proc.stderr
+    assert f"model_name_or_path: local path {tmp_path / 'missing'} does not exist" in proc.stderr
     proc = run([sys.executable, "-m", "rloo_engine", "train", "--model_name_or_path", "m", "--dataset_name",
                 str(tmp_path / "nope.jsonl"), "--reward_funcs", "rloo_engine.reward_functions:brevity"])
     assert proc.returncode == 2 and "nope.jsonl" in proc.stderr and "Traceback" not in proc.stderr

@@ -87,7 +87,7 @@ def test_beta_zero_loads_no_reference_model(tmp_path, qwen2_model, monkeypatch):
     trainer = RLOOTrainer(tiny_config(tmp_path, qwen2_model, beta=0.0, max_steps=1))
     assert trainer.ref is None and len(loads) == 1
     trainer.train()
-    assert "timing/reference" in read_metrics(trainer.cfg.output_dir)[0]
+    assert "timing/reference_s" in read_metrics(trainer.cfg.output_dir)[0]
     with_ref = RLOOTrainer(tiny_config(tmp_path / "k", qwen2_model, beta=0.1, max_steps=1))
     assert with_ref.ref is not None and not any(p.requires_grad for p in with_ref.ref.parameters())
 
@@ -175,8 +175,8 @@ def test_metrics_use_trl_names(tmp_path, qwen2_model):
         "num_tokens", "step_time", "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean",
         "clip_ratio/high_max", "clip_ratio/region_mean", "completions/mean_length", "completions/min_length",
         "completions/max_length", "completions/clipped_ratio", "completions/mean_terminated_length",
-        "rewards/target_token_fraction/mean", "rewards/target_token_fraction/std", "timing/generation",
-        "timing/reward", "timing/reference", "timing/policy_update",
+        "rewards/target_token_fraction/mean", "rewards/target_token_fraction/std", "timing/generation_s",
+        "timing/reward_s", "timing/reference_s", "timing/policy_update_s",
     }
     assert expected <= set(row), expected - set(row)
     samples = (Path(cfg.output_dir) / "completions.jsonl").read_text().splitlines()

@@ -36,10 +36,10 @@ def config(**changes) -> dict:
 def test_tiny_config_validates_and_builds_the_engine_config():
     cfg = build_pipeline_config(config())
     engine = cfg.engine_config(
-        sft_path="/local/sft", reward_model_path="/local/rm", output_dir="/runs/1/train", run_name="r"
+        sft_path="org/sft", reward_model_path="org/rm", output_dir="/runs/1/train", run_name="r"
     )
-    assert engine.model_name_or_path == "/local/sft"
-    assert engine.reward_model_name_or_path == "/local/rm"
+    assert engine.model_name_or_path == "org/sft"
+    assert engine.reward_model_name_or_path == "org/rm"
     assert engine.reward_funcs == ["rloo_engine.reward_functions:char_fraction"]
     assert engine.dataset_name == "/data/train.jsonl"
     assert engine.output_dir == "/runs/1/train"
