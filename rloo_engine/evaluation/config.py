@@ -129,6 +129,13 @@ class JudgeConfig(_Strict):
         "the judgment is counted as an `api_error`.",
         ge=1,
     )
+    connect_failure_limit: int = F(
+        8,
+        "openai: stop the run (JudgeEndpointError) when this many requests have failed to connect before the "
+        "endpoint answered once: a wrong `base_url` or a server that is down fails in seconds, not after every "
+        "request's retries.",
+        ge=1,
+    )
     backoff_initial_s: float = F(1.0, "openai: first retry delay; it doubles each attempt, with jitter.", gt=0.0)
     backoff_max_s: float = F(
         60.0,
@@ -220,6 +227,15 @@ class EvalConfig(_Strict):
         "answer; disagreement is a tie. `average`: each order counts as half a judgment.",
     )
 
+    max_failed_fraction: float = F(
+        0.1,
+        "Fail the run (EvaluationError) when more than this share of a pairing's prompts have no verdict "
+        "(parse_error + api_error): a rate over the few that survived is not the rate of the set. A pairing with "
+        "no valid judgment always fails. 1.0 = only that.",
+        ge=0.0,
+        le=1.0,
+    )
+
     # ---------------------------------------------------------------- statistics
     seed: int = F(0, "Seed of the single-order coin flips and of every bootstrap.")
     bootstrap_resamples: int = F(2000, "Bootstrap resamples of prompts for each confidence interval.", ge=1000)
@@ -232,6 +248,29 @@ class EvalConfig(_Strict):
         "Warn when the length-controlled win rate differs from the raw one by more than this (the judge may be "
         "rewarding length rather than quality).",
         ge=0.0,
+    )
+    lc_min_overlap: float = F(
+        0.05,
+        "Report the length-controlled rate only when at least this share of prompts (and at least 2) lie on each "
+        "side of equal length. Otherwise LC is `null` with the reason: one model is longer almost everywhere, and "
+        "a rate at equal length would be extrapolated outside the data.",
+        ge=0.0,
+        le=0.5,
+    )
+    min_consistency: float = F(
+        0.6,
+        "Warn when fewer than this share of prompts judged in both orders get the same winner in both: the judge "
+        "answers by slot or at random often enough to pull every rate toward 50%.",
+        ge=0.0,
+        le=1.0,
+    )
+    max_first_slot_deviation: float = F(
+        0.1,
+        "Warn when the share of verdicts picking slot A is further than this from 50% (and a binomial test "
+        "rejects 50% at the 5% level): a position-biased judge shrinks the raw rate toward 50%; read the "
+        "bias-corrected rate.",
+        ge=0.0,
+        le=0.5,
     )
 
     # ---------------------------------------------------------------- cost

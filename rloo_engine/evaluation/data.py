@@ -52,6 +52,11 @@ def _check_prompt(value: Any, where: str) -> Prompt:
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a JSONL file, with errors naming the file and line."""
+    return [row for row, _ in read_jsonl_numbered(path)]
+
+
+def read_jsonl_numbered(path: str | Path) -> list[tuple[dict[str, Any], int]]:
+    """(row, line number) of each non-empty line of a JSONL file, with errors naming the file and line."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{p}: does not exist or is not a file; expected a JSONL file")
@@ -66,7 +71,7 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
                 raise ConfigError(f"{p}:{lineno}: not valid JSON: {err}") from None
             if not isinstance(row, dict):
                 raise ConfigError(f"{p}:{lineno}: a {type(row).__name__}; expected a JSON object per line")
-            rows.append(row)
+            rows.append((row, lineno))
     return rows
 
 
@@ -158,21 +163,38 @@ def save_completions(path: str | Path, prompts: list[EvalPrompt], completions: d
 
 
 def load_completions(path: str | Path) -> dict[str, str]:
-    """`{prompt_id: completion}` from a completions JSONL file; ids are recomputed from `prompt` when present."""
+    """`{prompt_id: completion}` from a completions JSONL file; ids are recomputed from `prompt` when present.
+
+    Refuses an empty file and a prompt id given twice (naming both lines): silently keeping one of
+    two completions would change the result depending on row order.
+    """
     out: dict[str, str] = {}
-    for i, row in enumerate(read_jsonl(path), 1):
+    first_line: dict[str, int] = {}
+    for row, lineno in read_jsonl_numbered(path):
         if not isinstance(row.get("completion"), str):
-            raise ConfigError(f"{path}:{i}: no text `completion` field; expected {{prompt or prompt_id, completion}}")
+            raise ConfigError(
+                f"{path}:{lineno}: no text `completion` field; expected {{prompt or prompt_id, completion}}"
+            )
         if "prompt" in row:
-            pid = prompt_id(_check_prompt(row["prompt"], f"{path}:{i} prompt"))
+            pid = prompt_id(_check_prompt(row["prompt"], f"{path}:{lineno} prompt"))
             if "prompt_id" in row and row["prompt_id"] != pid:
                 raise ConfigError(
-                    f"{path}:{i}: prompt_id {row['prompt_id']!r} does not match the hash of its prompt ({pid}); "
+                    f"{path}:{lineno}: prompt_id {row['prompt_id']!r} does not match the hash of its prompt ({pid}); "
                     "was the prompt edited?"
                 )
         elif isinstance(row.get("prompt_id"), str):
             pid = row["prompt_id"]
         else:
-            raise ConfigError(f"{path}:{i}: neither `prompt` nor `prompt_id`; expected one to match the prompt set")
+            raise ConfigError(
+                f"{path}:{lineno}: neither `prompt` nor `prompt_id`; expected one to match the prompt set"
+            )
+        if pid in first_line:
+            raise ConfigError(
+                f"{path}:{lineno}: duplicate completion for prompt_id {pid} (first given on line {first_line[pid]}); "
+                "expected one completion per prompt"
+            )
+        first_line[pid] = lineno
         out[pid] = row["completion"]
+    if not out:
+        raise ConfigError(f"{path}: has no completions; expected one {{prompt or prompt_id, completion}} per line")
     return out

@@ -59,6 +59,7 @@ class FakeReply:
     headers: dict[str, str] = field(default_factory=dict)
     delay_s: float = 0.0
     error_body: dict[str, Any] | None = None
+    body: dict[str, Any] | None = None  # a 200 reply with this body instead of a chat completion
 
 
 @dataclass
@@ -307,6 +308,8 @@ class FakeOpenAIServer:
                 self._in_flight -= 1
         if reply.status != 200:
             return reply.status, reply.error_body or {"error": {"message": f"HTTP {reply.status}"}}, reply.headers
+        if reply.body is not None:
+            return 200, reply.body, reply.headers
         prompt_tokens = sum(_token_count(str(m.get("content", ""))) for m in messages)
         completion_tokens = _token_count(reply.text)
         return (

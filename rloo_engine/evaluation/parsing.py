@@ -1,9 +1,15 @@
-"""Strict parsing of a judge's verdict: the last non-empty line must be `<prefix>: A` or `<prefix>: B`.
+"""Parsing a judge's verdict: exactly one slot named by `<prefix>: A|B` lines, or no verdict at all.
 
-Strict on purpose: a verdict found anywhere else in the text (e.g. "A is better ... but B") is not
-guessed at. Only formatting noise on the verdict line is tolerated: case, Markdown emphasis, quotes
-and a final full stop (`**Preferred:** "A".`). Anything else is a parse failure, which the caller
-answers with one re-ask and then a counted `parse_error`.
+A verdict line is `<prefix>: A` or `<prefix>: B` ending its line; it may follow prose on the same
+line (`... so B is better. Preferred: B`), be followed by more lines of prose, name the slot
+(`Preferred: Summary A`, `Response B`, `Answer A`) and carry formatting noise (case, Markdown
+emphasis, quotes, a final full stop: `**Preferred:** "A".`). Each of these costs a paid re-ask when
+refused, and none of them is ambiguous.
+
+Still refused: no verdict line, verdict lines naming different slots ("Preferred: A ... Preferred:
+B"), and anything after the letter on its line ("Preferred: A or B", "Preferred: A, but B ...",
+"Preferred: A/B"). A verdict is never guessed from prose such as "A is better". The caller answers a
+refusal with one re-ask and then a counted `parse_error`.
 """
 
 from __future__ import annotations
@@ -15,26 +21,28 @@ from typing import Literal
 SlotVerdict = Literal["A", "B", "tie"]
 
 _NOISE = r"[\s*_`'\"]*"
+_SLOT_NAME = r"(?:(?:summary|response|answer|option)\s+)?"
 
 
 @lru_cache(maxsize=16)
 def _verdict_re(prefix: str) -> re.Pattern[str]:
-    return re.compile(rf"^[\s*_#>`'\"]*{re.escape(prefix)}{_NOISE}:{_NOISE}([AB]){_NOISE}\.?{_NOISE}$", re.IGNORECASE)
+    # The prefix starts a word (not "...Preferred" inside another word); the letter ends the line.
+    return re.compile(
+        rf"(?<![\w]){re.escape(prefix)}{_NOISE}:{_NOISE}{_SLOT_NAME}{_NOISE}([AB]){_NOISE}\.?{_NOISE}$", re.IGNORECASE
+    )
 
 
 def parse_verdict(text: str | None, prefix: str = "Preferred") -> Literal["A", "B"] | None:
-    """`"A"` or `"B"` from the final line of `text`, or None when that line is not a verdict."""
+    """`"A"` or `"B"` when every verdict line of `text` names that slot; None when none does or they disagree."""
     if not text:
         return None
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    if not lines:
-        return None
-    match = _verdict_re(prefix).match(lines[-1])
-    return match.group(1).upper() if match else None  # type: ignore[return-value]
+    pattern = _verdict_re(prefix)
+    slots = {m.group(1).upper() for line in text.splitlines() if (m := pattern.search(line.strip()))}
+    return slots.pop() if len(slots) == 1 else None  # type: ignore[return-value]
 
 
 def parse_label(value: object, prefix: str = "Preferred") -> SlotVerdict | None:
-    """A python judge's return value: `"A"`, `"B"`, `"tie"` (any case) or judge text ending in a verdict line."""
+    """A python judge's return value: `"A"`, `"B"`, `"tie"` (any case) or judge text with a verdict line."""
     if not isinstance(value, str):
         return None
     label = value.strip().strip("\"'").lower()

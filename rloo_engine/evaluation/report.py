@@ -59,15 +59,29 @@ class PairingResult(BaseModel):
     se: float | None = Field(description="Standard error of the win rate (per-prompt scores, ddof=1).")
     ci_low: float | None
     ci_high: float | None
-    lc_win_rate: float | None = Field(description="Length-controlled win rate: fitted rate at equal length.")
+    lc_win_rate: float | None = Field(
+        description="Length-controlled win rate: fitted rate at equal length. None when not estimable."
+    )
     lc_ci_low: float | None
     lc_ci_high: float | None
+    lc_not_estimable: str | None = Field(
+        None, description="Why LC is None although there are valid prompts (equal length outside the data, or no fit)."
+    )
     consistency_rate: float | None = Field(
         description="Share of judged prompts whose two orders pick the same winner (both-order mode only)."
     )
     first_slot_rate: float | None = Field(
         description="Share of A/B verdicts that picked slot A (0.5 = no position bias)."
     )
+    n_slot_verdicts: int = Field(0, description="A/B verdicts behind first_slot_rate.")
+    slot_bias: float | None = Field(
+        None, description="Estimated share of verdicts decided by slot, not content: |2 first_slot_rate - 1|."
+    )
+    bias_corrected_win_rate: float | None = Field(
+        None, description="The win rate with the estimated slot bias undone: 0.5 + (win_rate - 0.5) / (1 - slot_bias)."
+    )
+    bias_corrected_ci_low: float | None = None
+    bias_corrected_ci_high: float | None = None
     mean_length_a: float | None
     mean_length_b: float | None
     length_unit: str
@@ -165,10 +179,13 @@ def format_summary(report: EvalReport) -> str:
 
     lines = []
     for r in report.pairings.values():
+        lc = "  n/e" if r.lc_not_estimable else pct(r.lc_win_rate)  # n/e: not estimable, see the warnings
         lines.append(
-            f"{r.name:<20} win {pct(r.win_rate)}% [{pct(r.ci_low)}, {pct(r.ci_high)}]  LC {pct(r.lc_win_rate)}%  "
-            f"W/L/T {r.n_win}/{r.n_loss}/{r.n_tie}  n={r.n} valid={r.n_valid} parse_err={r.n_parse_error} "
-            f"api_err={r.n_api_error}  consistency {pct(r.consistency_rate)}%  first-slot {pct(r.first_slot_rate)}%"
+            f"{r.name:<20} win {pct(r.win_rate)}% [{pct(r.ci_low)}, {pct(r.ci_high)}]  LC {lc}%  "
+            f"bias-corrected {pct(r.bias_corrected_win_rate)}% [{pct(r.bias_corrected_ci_low)}, "
+            f"{pct(r.bias_corrected_ci_high)}]  W/L/T {r.n_win}/{r.n_loss}/{r.n_tie}  n={r.n} valid={r.n_valid} "
+            f"parse_err={r.n_parse_error} api_err={r.n_api_error}  consistency {pct(r.consistency_rate)}%  "
+            f"first-slot {pct(r.first_slot_rate)}%"
         )
     d = report.paired_difference
     if d is not None and d.difference is not None:

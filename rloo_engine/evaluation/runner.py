@@ -19,6 +19,12 @@ from tqdm.auto import tqdm
 
 from rloo_engine.evaluation.budget import Price, SpendTracker
 from rloo_engine.evaluation.cache import JudgmentCache, cache_key
+from rloo_engine.evaluation.checks import (
+    UntrustworthyResultError,
+    check_something_to_judge,
+    failure_problems,
+    report_warnings,
+)
 from rloo_engine.evaluation.config import PAIRINGS, EvalConfig
 from rloo_engine.evaluation.data import EvalPrompt, load_completions, load_prompts, prompt_text, save_completions
 from rloo_engine.evaluation.judges import build_judge, read_api_key
@@ -80,6 +86,8 @@ def run_evaluation(
         items[name], missing[name] = build_items(
             name, completions[side_a], completions[side_b], texts, cfg.order_mode, cfg.seed
         )
+        sources = f"{completion_paths.get(side_a, side_a)}, {completion_paths.get(side_b, side_b)}"
+        check_something_to_judge(name, len(items[name]), missing[name], sources)
 
     # 3. judging, through the cache
     price = _price(cfg)
@@ -121,7 +129,7 @@ def run_evaluation(
             "order_mode": cfg.order_mode,
             "both_orders_rule": cfg.both_orders_rule if cfg.order_mode == "both" else None,
         },
-        warnings=_warnings(pairing_results, cfg),
+        warnings=report_warnings(pairing_results, cfg),
         timings={
             "generation_s": round(generated - started, 3),
             "judging_s": round(judged_at - generated, 3),
@@ -134,9 +142,15 @@ def run_evaluation(
         cache_path=cache_path,
         config=cfg.model_dump(mode="json"),
     )
-    write_report(report)
     for warning in report.warnings:
         log.warning(warning)
+    problems = failure_problems(pairing_results, cfg)
+    if problems:
+        raise UntrustworthyResultError(
+            "; ".join(problems) + f". Nothing was reported as a result; every judgment is in {judgments_path}",
+            report,
+        )
+    write_report(report)
     return report
 
 
@@ -263,28 +277,6 @@ def _usage(
         total_cost_usd=price.cost(total_pt, total_ct) if price else None,
         budget_usd=budget,
     )
-
-
-def _warnings(results: dict[str, Any], cfg: EvalConfig) -> list[str]:
-    warnings = []
-    for r in results.values():
-        failed = r.n_parse_error + r.n_api_error
-        if failed:
-            warnings.append(
-                f"{r.name}: {failed} of {r.n} prompts have no verdict ({r.n_parse_error} parse_error, "
-                f"{r.n_api_error} api_error); the win rate is over the {r.n_valid} valid ones"
-            )
-        if r.n_missing:
-            warnings.append(f"{r.name}: {r.n_missing} prompts lack a completion from {r.model_a} or {r.model_b}")
-        if r.win_rate is not None and r.lc_win_rate is not None:
-            gap = r.lc_win_rate - r.win_rate
-            if abs(gap) > cfg.lc_warning_threshold:
-                warnings.append(
-                    f"{r.name}: length-controlled win rate {r.lc_win_rate:.3f} differs from the raw {r.win_rate:.3f} "
-                    f"by {gap:+.3f} (mean lengths {r.mean_length_a:.1f} vs {r.mean_length_b:.1f} {r.length_unit}); "
-                    "the judge may be rewarding length"
-                )
-    return warnings
 
 
 def _table_rows(

@@ -39,13 +39,21 @@ def summarize_pairing(
     len_a = np.array([text_length(j.item.completion_a, cfg.length_unit) for j in valid], dtype=float)
     len_b = np.array([text_length(j.item.completion_b, cfg.length_unit) for j in valid], dtype=float)
 
-    ci = stats.bootstrap_mean_ci(scores, cfg.bootstrap_resamples, cfg.confidence_level, cfg.seed)
-    lc_ci = stats.bootstrap_lc_ci(scores, len_a, len_b, cfg.bootstrap_resamples, cfg.confidence_level, cfg.seed)
+    resamples, level, seed = cfg.bootstrap_resamples, cfg.confidence_level, cfg.seed
+    ci = stats.bootstrap_mean_ci(scores, resamples, level, seed)
+    lc_problem = stats.lc_support_problem(len_a, len_b, cfg.lc_min_overlap, cfg.length_unit) or stats.lc_fit_problem(
+        scores, len_a, len_b
+    )
+    lc, lc_ci = None, None
+    if lc_problem is None:
+        lc = stats.length_controlled_win_rate(scores, len_a, len_b)
+        lc_ci = stats.bootstrap_lc_ci(scores, len_a, len_b, resamples, level, seed)
 
+    # Per prompt: how many of its verdicts picked slot A, and how many picked a slot at all.
+    first_slot = np.array([sum(jd.verdict == "A" for jd in j.judgments.values()) for j in valid], dtype=float)
+    decided = np.array([sum(jd.verdict in ("A", "B") for jd in j.judgments.values()) for j in valid], dtype=float)
+    corrected_ci = stats.bootstrap_bias_corrected_ci(scores, first_slot, decided, resamples, level, seed)
     both_judged = [j for j in valid if j.outcome.consistent is not None]
-    slot_verdicts = [
-        judgment.verdict for j in valid for judgment in j.judgments.values() if judgment.verdict in ("A", "B")
-    ]
     all_len_a = [text_length(j.item.completion_a, cfg.length_unit) for j in judged]
     all_len_b = [text_length(j.item.completion_b, cfg.length_unit) for j in judged]
     return PairingResult(
@@ -65,11 +73,17 @@ def summarize_pairing(
         se=stats.standard_error(scores),
         ci_low=ci[0] if ci else None,
         ci_high=ci[1] if ci else None,
-        lc_win_rate=stats.length_controlled_win_rate(scores, len_a, len_b),
+        lc_win_rate=lc,
         lc_ci_low=lc_ci[0] if lc_ci else None,
         lc_ci_high=lc_ci[1] if lc_ci else None,
+        lc_not_estimable=lc_problem,
         consistency_rate=_rate(sum(bool(j.outcome.consistent) for j in both_judged), len(both_judged)),
-        first_slot_rate=_rate(slot_verdicts.count("A"), len(slot_verdicts)),
+        first_slot_rate=_rate(int(first_slot.sum()), int(decided.sum())),
+        n_slot_verdicts=int(decided.sum()),
+        slot_bias=float(stats.slot_bias(first_slot, decided)) if decided.sum() else None,
+        bias_corrected_win_rate=stats.bias_corrected_rate(scores, first_slot, decided),
+        bias_corrected_ci_low=corrected_ci[0] if corrected_ci else None,
+        bias_corrected_ci_high=corrected_ci[1] if corrected_ci else None,
         mean_length_a=float(np.mean(all_len_a)) if all_len_a else None,
         mean_length_b=float(np.mean(all_len_b)) if all_len_b else None,
         length_unit=cfg.length_unit,

@@ -13,6 +13,16 @@ LC win rate is the fitted rate at delta_length = 0, i.e. sigmoid(theta_0): how o
 model would win if its answers were as long as the second's. Only the slope is ridge-penalised
 (`_SLOPE_RIDGE`), which keeps the fit finite when length separates wins from losses and leaves
 the intercept, and so LC, exactly the raw rate when all length differences are zero.
+
+LC is only reported where the data can support it (`lc_support_problem`): when one model is
+longer on (nearly) every prompt, delta_length = 0 lies outside the data and sigmoid(theta_0) is an
+extrapolation that the slope's guess decides; it is then "not estimable", with the reason.
+
+Slot-bias correction (`bias_corrected_rate`): a judge that, with probability beta, picks one slot
+whatever the content, and otherwise judges the content, has a first-slot rate f = (1 + beta) / 2
+over a set where each model sits in each slot equally often (both orders, or seeded coin flips),
+and shrinks the expected rate toward 1/2: E[raw] = 1/2 + (1 - beta) (p - 1/2). So
+beta = |2 f - 1| is estimated from the same verdicts, and p = 1/2 + (raw - 1/2) / (1 - beta).
 """
 
 from __future__ import annotations
@@ -146,3 +156,84 @@ def sign_test(scores_first: np.ndarray, scores_second: np.ndarray) -> SignTest:
     plus, minus = int((diff > 0).sum()), int((diff < 0).sum())
     p_value = 1.0 if plus + minus == 0 else float(binomtest(plus, plus + minus, 0.5).pvalue)
     return SignTest(plus, minus, int((diff == 0).sum()), p_value)
+
+
+def lc_support_problem(len_a: np.ndarray, len_b: np.ndarray, min_share: float, unit: str) -> str | None:
+    """Why LC cannot be estimated from these lengths, or None when it can.
+
+    LC is the fitted rate at equal length; it is supported by the data only when at least
+    `min_share` of the prompts lie on each side of equal length (a tie in length counts for both).
+    """
+    delta = np.asarray(len_a, dtype=float) - np.asarray(len_b, dtype=float)
+    n = len(delta)
+    if n == 0 or np.all(delta == 0):
+        return None
+    longer, shorter = int((delta > 0).sum()), int((delta < 0).sum())
+    at_least, at_most = n - shorter, n - longer  # delta >= 0, delta <= 0
+    needed = max(2, int(np.ceil(min_share * n)))
+    if min(at_least, at_most) >= needed:
+        return None
+    side = "longer" if at_least > at_most else "shorter"
+    count = longer if side == "longer" else shorter
+    return (
+        f"the first model is {side} on {count} of {n} prompts (length difference {delta.min():+g} to "
+        f"{delta.max():+g} {unit}); equal length lies outside the data (lc_min_overlap needs {needed} prompts on "
+        "each side), so a rate at equal length would be an extrapolation"
+    )
+
+
+def lc_fit_problem(scores: np.ndarray, len_a: np.ndarray, len_b: np.ndarray) -> str | None:
+    """Why the LC fit on all prompts is ill-conditioned (a coefficient at its bound), or None."""
+    if len(scores) == 0 or np.all(scores == scores[0]):
+        return None
+    theta0, theta1 = fit_length_logistic(length_feature(len_a, len_b), scores)
+    if max(abs(theta0[0]), abs(theta1[0])) >= _MAX_LOGIT - 1e-6:
+        return "the length model does not converge (length separates wins from losses); its intercept is unbounded"
+    return None
+
+
+def slot_bias(first_slot: np.ndarray, decided: np.ndarray) -> np.ndarray:
+    """beta = |2 f - 1| with f = sum(first_slot) / sum(decided) over the last axis; NaN where nothing was decided.
+
+    first_slot, decided: (..., n_prompts) counts per prompt of slot-A verdicts and of A/B verdicts.
+    """
+    total = np.asarray(decided, dtype=float).sum(axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        f = np.asarray(first_slot, dtype=float).sum(axis=-1) / total
+    return np.abs(2.0 * f - 1.0)
+
+
+def _undo_shrinkage(raw: np.ndarray, beta: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore", divide="ignore"):
+        corrected = 0.5 + (raw - 0.5) / (1.0 - beta)
+    return np.where(beta < 1.0, np.clip(corrected, 0.0, 1.0), np.nan)
+
+
+def bias_corrected_rate(scores: np.ndarray, first_slot: np.ndarray, decided: np.ndarray) -> float | None:
+    """The win rate with the estimated slot bias undone (see the module docstring). None when empty or beta = 1."""
+    if len(scores) == 0 or np.sum(decided) == 0:
+        return None if len(scores) == 0 else float(np.mean(scores))
+    value = float(_undo_shrinkage(np.asarray(np.mean(scores)), slot_bias(first_slot, decided)))
+    return None if np.isnan(value) else value
+
+
+def bootstrap_bias_corrected_ci(
+    scores: np.ndarray, first_slot: np.ndarray, decided: np.ndarray, resamples: int, confidence: float, seed: int
+) -> tuple[float, float] | None:
+    """Percentile bootstrap CI of the bias-corrected rate: prompts are resampled with their verdicts,
+    so the uncertainty of beta is in the interval too. None when empty or beta = 1 in over half the resamples."""
+    if len(scores) == 0:
+        return None
+    if np.sum(decided) == 0:
+        return bootstrap_mean_ci(scores, resamples, confidence, seed)
+    first_slot, decided = np.asarray(first_slot, dtype=float), np.asarray(decided, dtype=float)
+    rates = np.concatenate(
+        [
+            _undo_shrinkage(scores[idx].mean(axis=1), slot_bias(first_slot[idx], decided[idx]))
+            for idx in bootstrap_index_chunks(len(scores), resamples, seed)
+        ]
+    )
+    rates = rates[~np.isnan(rates)]
+    if len(rates) < resamples / 2:
+        return None
+    return percentile_interval(rates, confidence)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from rloo_engine.evaluation import EvalConfig, JudgeConfig, run_evaluation
+from rloo_engine.evaluation.checks import UntrustworthyResultError
 from rloo_engine.evaluation.judges.base import SlotPair
 from rloo_engine.evaluation.judges.hf_judge import HFJudge
 from rloo_engine.evaluation.judges.python_judge import PythonJudge
@@ -146,8 +147,9 @@ def test_prompts_without_a_completion_are_counted_not_dropped(tmp_path):
 
 
 def test_parse_errors_are_counted_and_excluded_never_guessed(tmp_path):
-    report = _run(tmp_path, {"p1": "a", "p2": "b"}, {"p1": "c", "p2": "d"}, function="unsure_rule")
-    r = report.pairings["policy_vs_reference"]
+    with pytest.raises(UntrustworthyResultError) as err:  # a pairing with no valid judgment fails the run
+        _run(tmp_path, {"p1": "a", "p2": "b"}, {"p1": "c", "p2": "d"}, function="unsure_rule")
+    r = err.value.report.pairings["policy_vs_reference"]
     assert (r.n, r.n_valid, r.n_parse_error, r.win_rate, r.se, r.ci_low) == (2, 0, 2, None, None, None)
 
 

@@ -10,6 +10,7 @@ from contextlib import closing
 import pytest
 
 from rloo_engine.evaluation import JudgeEndpointError, run_evaluation
+from rloo_engine.evaluation.checks import UntrustworthyResultError
 from rloo_engine.evaluation.fake_openai_server import rate_limited, slow_first
 from rloo_engine.evaluation.judges import openai_judge
 from rloo_engine.evaluation.pairings import orders_for
@@ -91,7 +92,9 @@ def test_429_with_retry_after_is_retried_after_the_asked_delay(fake_server, make
 
 def test_repeated_500s_end_as_counted_api_errors(fake_server, make_config, transport):
     server = fake_server("server_error")
-    report = run_evaluation(make_config(server, pairings=["policy_vs_reference"], max_prompts=3))
+    with pytest.raises(UntrustworthyResultError) as err:  # no valid judgment: the run fails, with its counts
+        run_evaluation(make_config(server, pairings=["policy_vs_reference"], max_prompts=3))
+    report = err.value.report
     r = report.pairings["policy_vs_reference"]
     assert (r.n, r.n_api_error, r.n_valid, r.win_rate) == (3, 3, 0, None)
     assert server.request_count == 3 * 2 * 3  # prompts x orders x max_attempts: bounded retries
@@ -115,7 +118,9 @@ def test_a_timeout_is_retried(fake_server, make_config, transport):
 
 def test_malformed_text_is_reasked_once_then_counted_as_parse_error(fake_server, make_config):
     server = fake_server("malformed")
-    report = run_evaluation(make_config(server, pairings=["policy_vs_reference"], max_prompts=3))
+    with pytest.raises(UntrustworthyResultError) as err:
+        run_evaluation(make_config(server, pairings=["policy_vs_reference"], max_prompts=3))
+    report = err.value.report
     r = report.pairings["policy_vs_reference"]
     assert (r.n_parse_error, r.n_valid, r.win_rate) == (3, 0, None)
     asks = [q for q in server.requests if not q.is_reask]

@@ -24,7 +24,8 @@ from rloo_engine.evaluation.templates import load_template
         ("Comparison: B covers the key point.\nPreferred: B\n\n", "B"),
         ('**Preferred:** "B".', "B"),
         ("preferred: a", "A"),
-        ("Preferred: A\nI hope this helps!", None),  # the verdict must be the final line
+        ("Preferred: A\nI hope this helps!", "A"),  # prose after the verdict line is allowed (issue 10, item 7)
+        ("Preferred: A\nPreferred: B", None),  # two different verdicts
         ("Preferred: A or B", None),
         ('Preferred: <"A" or "B">', None),
         ("Summary A is better.", None),
@@ -33,7 +34,7 @@ from rloo_engine.evaluation.templates import load_template
         (None, None),
     ],
 )
-def test_verdict_parsing_is_strict_about_the_final_line(text, expected):
+def test_verdict_parsing_is_strict_about_the_verdict_line(text, expected):
     assert parse_verdict(text) == expected
 
 

@@ -75,6 +75,10 @@ class OpenAIJudge(Judge):
         )
         # Set by the first budget stop or fatal endpoint error; no request starts after it.
         self._stopped: EvaluationError | None = None
+        # Until the endpoint answers once, `connect_failure_limit` failed connections mean it is unreachable.
+        self._connect_failure_limit = cfg.connect_failure_limit
+        self._connect_failures = 0
+        self._reached = False
         self._warned_no_usage = False
 
     def __repr__(self) -> str:
@@ -169,6 +173,7 @@ class OpenAIJudge(Judge):
                 try:
                     response = await self._client.post("/chat/completions", body=self._body(messages), cast_to=object)
                 except openai.APIStatusError as err:
+                    self._reached = True
                     status = err.status_code
                     if status in FATAL_STATUS:
                         self._stopped = JudgeEndpointError(self._fatal_message(err))
@@ -178,16 +183,29 @@ class OpenAIJudge(Judge):
                         judgment.status, judgment.error = "api_error", error
                         return None
                     retry_after = retry_after_seconds(err.response.headers)
-                except openai.APITimeoutError:
-                    error = f"timed out after {self.timeout_s:g}s"
+                except openai.APITimeoutError as err:
+                    # openai's aiohttp transport reports a refused connection as a connect timeout (the httpx
+                    # class of whichever httpx package it wraps, hence the name check).
+                    if type(err.__cause__).__name__ == "ConnectTimeout":
+                        error = f"connection error: {redact(str(err.__cause__), self._secret)[:300]}"
+                        self._count_connect_failure(error)
+                    else:
+                        error = f"timed out after {self.timeout_s:g}s"
                 except openai.APIConnectionError as err:
                     error = f"connection error: {redact(str(err), self._secret)[:300]}"
+                    self._count_connect_failure(error)
                 else:
+                    self._reached = True
+                    # Text from the endpoint is stored (table, cache) and logged: never with the key in it.
                     text = _reply_text(response)
-                    if text is not None:
+                    if text is not None and text.strip():
+                        text = redact(text, self._secret)
                         self._record_usage(response, prompt_chars, text, judgment)
                         return text
-                    error = f"malformed response (not a chat completion): {str(response)[:200]!r}"
+                    if text is None:
+                        error = f"malformed response (not a chat completion): {redact(str(response), self._secret)[:200]!r}"
+                    else:  # an empty reply is a transient failure a retry fixes, not the judge's verdict
+                        error = f"empty reply (finish_reason {_finish_reason(response)!r})"
                 finally:
                     self.spend.release(reservation)
             if attempt < self.retry.max_attempts:
@@ -197,6 +215,19 @@ class OpenAIJudge(Judge):
         judgment.status = "api_error"
         judgment.error = f"{error} (gave up after {self.retry.max_attempts} attempts)"
         return None
+
+    def _count_connect_failure(self, error: str) -> None:
+        """Stops the run when the endpoint has never answered and the first requests all failed to connect."""
+        if self._reached:
+            return
+        self._connect_failures += 1
+        if self._connect_failures >= self._connect_failure_limit:
+            self._stopped = JudgeEndpointError(
+                f"judge endpoint {self.base_url} is unreachable: the first {self._connect_failures} requests all "
+                f"failed to connect (last: {error}); check judge.base_url and that the server is up "
+                f"(judge.connect_failure_limit: {self._connect_failure_limit})"
+            )
+            raise self._stopped
 
     def _body(self, messages: list[dict[str, str]]) -> dict[str, Any]:
         return {
@@ -244,6 +275,13 @@ def _reply_text(response: Any) -> str | None:
     except (TypeError, KeyError, IndexError, AttributeError):
         return None
     return content if isinstance(content, str) else ""
+
+
+def _finish_reason(response: Any) -> Any:
+    try:
+        return response["choices"][0].get("finish_reason")
+    except (TypeError, KeyError, IndexError, AttributeError):
+        return None
 
 
 def _aiohttp_transport() -> Any:

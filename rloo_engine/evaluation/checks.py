@@ -1,0 +1,115 @@
+"""What keeps a misleading number from being reported as a result: the failures that stop a run, and the
+warnings printed next to the numbers (report, CLI line, MLflow tags, pipeline summary).
+
+Stops (`EvaluationError`): a pairing with nothing to judge (every prompt id unmatched), a pairing
+with no valid judgment, or more failed prompts than `max_failed_fraction` allows.
+Warns: failed or missing prompts, a position-biased judge (low consistency, first-slot rate far
+from 50%), length control that is not estimable, and LC far from the raw rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from scipy.stats import binomtest
+
+from rloo_engine.evaluation.config import EvalConfig
+from rloo_engine.evaluation.errors import EvaluationError
+from rloo_engine.evaluation.report import PairingResult
+
+
+class UntrustworthyResultError(EvaluationError):
+    """The judging finished but its numbers would mislead; `report` holds them (not written as results.json)."""
+
+    def __init__(self, message: str, report: object = None):
+        super().__init__(message)
+        self.report = report
+
+
+def check_something_to_judge(name: str, n_items: int, n_missing: int, sources: str) -> None:
+    """Fails before any call when no prompt of a pairing has completions from both sides."""
+    if n_items == 0:
+        raise EvaluationError(
+            f"{name}: {n_missing} of {n_missing} eval prompts lack a completion from one side ({sources}); "
+            "nothing to judge. Check that the completions files were made from this prompt set (ids are hashes "
+            "of the prompt text)"
+        )
+
+
+def failure_problems(results: Mapping[str, PairingResult], cfg: EvalConfig) -> list[str]:
+    """One message per pairing whose rate must not be reported."""
+    problems = []
+    for r in results.values():
+        failed = r.n_parse_error + r.n_api_error
+        counts = f"{failed} of {r.n} prompts failed ({r.n_parse_error} parse_error, {r.n_api_error} api_error)"
+        if r.n_valid == 0:
+            problems.append(f"{r.name}: no valid judgment: {counts}")
+        elif failed > cfg.max_failed_fraction * r.n:
+            problems.append(
+                f"{r.name}: {counts}, more than max_failed_fraction {cfg.max_failed_fraction:g} allows; a rate over "
+                f"the {r.n_valid} that survived is not the rate of the set"
+            )
+    return problems
+
+
+def position_bias_warning(r: PairingResult, cfg: EvalConfig) -> str | None:
+    reasons = []
+    if r.consistency_rate is not None and r.consistency_rate < cfg.min_consistency:
+        reasons.append(f"consistency {r.consistency_rate:.1%} < min_consistency {cfg.min_consistency:.0%}")
+    f = r.first_slot_rate
+    if f is not None and abs(f - 0.5) > cfg.max_first_slot_deviation and r.n_slot_verdicts:
+        first = round(f * r.n_slot_verdicts)
+        if binomtest(first, r.n_slot_verdicts, 0.5).pvalue < 0.05:
+            reasons.append(
+                f"first-slot rate {f:.1%} ({first} of {r.n_slot_verdicts} verdicts) is more than "
+                f"max_first_slot_deviation {cfg.max_first_slot_deviation:.0%} from 50%"
+            )
+    if not reasons:
+        return None
+    corrected = ""
+    if r.bias_corrected_win_rate is not None:
+        ci = (
+            f" [{r.bias_corrected_ci_low:.3f}, {r.bias_corrected_ci_high:.3f}]"
+            if r.bias_corrected_ci_low is not None
+            else ""
+        )
+        corrected = f"; bias-corrected win rate {r.bias_corrected_win_rate:.3f}{ci} (estimated slot bias {r.slot_bias:.2f})"
+    return (
+        f"{r.name}: position bias: {', '.join(reasons)}; the judge answers by slot often enough to pull the raw win "
+        f"rate {r.win_rate:.3f} toward 0.5{corrected}"
+    )
+
+
+def length_warning(r: PairingResult, cfg: EvalConfig) -> str | None:
+    if r.lc_not_estimable:
+        return f"{r.name}: length-controlled win rate not estimable: {r.lc_not_estimable}; read the raw rate with the mean lengths ({r.mean_length_a:.1f} vs {r.mean_length_b:.1f} {r.length_unit})"
+    if r.win_rate is None or r.lc_win_rate is None:
+        return None
+    gap = r.lc_win_rate - r.win_rate
+    if abs(gap) <= cfg.lc_warning_threshold:
+        return None
+    return (
+        f"{r.name}: length-controlled win rate {r.lc_win_rate:.3f} differs from the raw {r.win_rate:.3f} "
+        f"by {gap:+.3f} (mean lengths {r.mean_length_a:.1f} vs {r.mean_length_b:.1f} {r.length_unit}); "
+        "the judge may be rewarding length"
+    )
+
+
+def pairing_warnings(r: PairingResult, cfg: EvalConfig) -> list[str]:
+    warnings = []
+    failed = r.n_parse_error + r.n_api_error
+    if failed:
+        warnings.append(
+            f"{r.name}: {failed} of {r.n} prompts have no verdict ({r.n_parse_error} parse_error, "
+            f"{r.n_api_error} api_error); the win rate is over the {r.n_valid} valid ones"
+        )
+    if r.n_missing:
+        warnings.append(f"{r.name}: {r.n_missing} prompts lack a completion from {r.model_a} or {r.model_b}")
+    for warning in (position_bias_warning(r, cfg), length_warning(r, cfg)):
+        if warning:
+            warnings.append(warning)
+    return warnings
+
+
+def report_warnings(results: Mapping[str, PairingResult], cfg: EvalConfig) -> list[str]:
+    return [w for r in results.values() for w in pairing_warnings(r, cfg)]
