@@ -131,3 +131,26 @@ def recording_rule(prompt: str, answer_a: str, answer_b: str) -> str:
     """prefer_longer, recording each call in CALLS."""
     CALLS.append((answer_a, answer_b))
     return prefer_longer(prompt, answer_a, answer_b)
+
+
+def _unit(*parts: str) -> float:
+    """A uniform number in [0, 1) fixed by `parts` (a deterministic stand-in for a judge's randomness)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256("\x00".join(parts).encode()).digest()[:8], "big") / 2**64
+
+
+def slot_biased_rule(prompt: str, answer_a: str, answer_b: str) -> str:
+    """Half of the time "A" whatever the content; otherwise the answer marked "[better]" wins."""
+    if _unit("slot", prompt, answer_a, answer_b) < 0.5:
+        return "A"
+    return "A" if "[better]" in answer_a else "B"
+
+
+def marker_rule_no_length(prompt: str, answer_a: str, answer_b: str) -> str:
+    """An answer with "[win]" wins; otherwise the one without it (the reference) wins: length plays no part."""
+    if "[win]" in answer_a:
+        return "A"
+    if "[win]" in answer_b:
+        return "B"
+    return "B" if "ref" not in answer_a else "A"
