@@ -22,10 +22,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
-from tqdm.auto import tqdm
-
 from rloo_engine.demo import task
 from rloo_engine.demo.settings import DEMO_ASSETS, SMOKE_ASSETS, AssetSettings
+from rloo_engine.progress import progress_bar
 
 ASSET_VERSION = 1  # bump to rebuild every cached asset directory
 MANIFEST = "manifest.json"
@@ -117,7 +116,7 @@ def _build(out: Path, s: AssetSettings, seed: int, key: str, progress: bool) -> 
     out.mkdir(parents=True)
     rng = random.Random(seed)
     train_specs, eval_specs = task.prompt_specs(seed, s.eval_fraction)
-    stages = tqdm(total=4, desc="demo assets", unit="stage", disable=not progress, dynamic_ncols=True)
+    stages = progress_bar(total=4, desc="demo assets", unit="stage", disable=not progress, dynamic_ncols=True)
     with _quiet_transformers(), _one_torch_thread():
         stages.set_postfix_str("data and tokenizer")
         examples = [(p, task.sft_completion(rng, p)) for p in (task.sample_prompt(rng, train_specs)

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase, Qwen2Config
+
+from rloo_engine.progress import progress_bar
 
 IGNORE_INDEX = -100  # label of positions without a loss (prompt and padding)
 
@@ -94,7 +95,7 @@ def fit(model: torch.nn.Module, batches: Iterator, loss_fn: Callable[[list], tor
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, steps, max(1, steps // 20)))
     model.train()
     losses: list[float] = []
-    bar = tqdm(range(steps), desc=desc, unit="step", disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(range(steps), desc=desc, unit="step", disable=not progress, dynamic_ncols=True)
     for _ in bar:
         loss = loss_fn(next(batches))
         loss.backward()
