@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-UI_PORT = 5000
+MLFLOW_UI_PORT, PREFECT_UI_PORT = 5000, 4200  # defaults of the printed UI commands (--mlflow-port, --prefect-port)
 GOLD = "rewards/gold_reward/mean"
 
 
@@ -38,6 +38,8 @@ def configure_environment(home: Path) -> dict[str, str]:
         # One torch thread: these models are too small to gain from two, and lose badly when cores are shared.
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "PREFECT_LOGGING_LEVEL": os.environ.get("PREFECT_LOGGING_LEVEL", "INFO"),
+        # The demo trains for about a minute; MLflow's 10 s default would give the train run few system metrics.
+        "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": os.environ.get("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "2"),
         "TRANSFORMERS_VERBOSITY": "error", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         # The first start migrates a fresh SQLite database, which takes a while on 2 busy cores.
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning",
@@ -99,7 +101,8 @@ def gold_score_trend(train_dir: Path) -> str:
     return f"{values[0]:.4f} -> {values[-1]:.4f}" if values else "n/a"
 
 
-def render_summary(s: dict[str, Any], stores: dict[str, str], smoke: bool) -> str:
+def render_summary(s: dict[str, Any], stores: dict[str, str], smoke: bool,
+                   mlflow_port: int = MLFLOW_UI_PORT, prefect_port: int = PREFECT_UI_PORT) -> str:
     """The demo's summary as Markdown: printed in the terminal and published as a Prefect artifact."""
     pct = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     num = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
@@ -114,18 +117,26 @@ def render_summary(s: dict[str, Any], stores: dict[str, str], smoke: bool) -> st
         if r := ev.get(name):
             rows.append((f"win rate {name.replace('_vs_', ' vs ')}",
                          f"{pct(r['win_rate'])}  95% CI [{pct(r['ci_low'])}, {pct(r['ci_high'])}]  n={r['n']}"))
-            rows.append((f"  length-controlled", pct(r.get("lc_win_rate"))))
+            rows.append(("  length-controlled", pct(r.get("lc_win_rate"))))
     gate = "n/a" if not promo else f"{'PASSED' if promo['passed'] else 'not passed'}: {promo['reason']}"
     rows += [("promotion gate", gate),
-             ("MLflow run", f"http://127.0.0.1:{UI_PORT}/#/experiments/{exp}/runs/{run}")]
-    table = ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
-    prefect_env = f"PREFECT_HOME={stores['PREFECT_HOME']} PREFECT_API_DATABASE_CONNECTION_URL={stores['PREFECT_API_DATABASE_CONNECTION_URL']}"
+             (f"MLflow run (UI on port {mlflow_port}, command below)",
+              f"http://127.0.0.1:{mlflow_port}/#/experiments/{exp}/runs/{run}")]
+    table = ["| measure | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
+    # The Prefect UI asks the API for data at the URL built from PREFECT_SERVER_API_PORT; `--port` alone
+    # would move the server but leave the UI calling :4200, so the port is set through that variable.
+    prefect_env = (f"PREFECT_HOME={stores['PREFECT_HOME']} "
+                   f"PREFECT_API_DATABASE_CONNECTION_URL={stores['PREFECT_API_DATABASE_CONNECTION_URL']} "
+                   f"PREFECT_SERVER_API_PORT={prefect_port}")
     return "\n".join([
         f"# RLOO demo summary{' (smoke mode)' if smoke else ''}", "", *table, "",
         "Judge: the task's hidden gold rule (an offline stand-in for a GPT-4 judge; see docs/demo.md).", "",
-        "Open the UIs on these stores:", "",
-        f"    .venv/bin/mlflow ui --backend-store-uri {stores['MLFLOW_TRACKING_URI']} --port {UI_PORT}",
-        f"    {prefect_env} .venv/bin/prefect server start", "",
+        "Open the UIs on these stores; for another port change the number in the command (for Prefect it is",
+        "PREFECT_SERVER_API_PORT, which also tells its UI where the API is; `--port` alone leaves the UI calling :4200):",
+        "",
+        f"    .venv/bin/mlflow ui --backend-store-uri {stores['MLFLOW_TRACKING_URI']} --port {mlflow_port}"
+        f"    # http://127.0.0.1:{mlflow_port}",
+        f"    {prefect_env} .venv/bin/prefect server start    # http://127.0.0.1:{prefect_port}", "",
     ])
 
 
@@ -135,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = StrictArgumentParser(prog="python -m flows.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny assets and a few training steps (CI)")
     parser.add_argument("--home", default=".rloo-demo", help="where every store, asset and output goes")
+    parser.add_argument("--mlflow-port", type=int, default=MLFLOW_UI_PORT,
+                        help="port of the MLflow UI in the printed command and run link")
+    parser.add_argument("--prefect-port", type=int, default=PREFECT_UI_PORT,
+                        help="port of the Prefect UI in the printed command")
     args = parser.parse_args(argv)
     home = Path(args.home).resolve()
     stores = configure_environment(home)
@@ -155,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     @flow(name="rloo-demo", log_prints=False)
     def rloo_demo(cfg_values: dict[str, Any]) -> str:
         summary = rlhf_pipeline(build_pipeline_config(cfg_values))
-        markdown = render_summary(summary, stores, args.smoke)
+        markdown = render_summary(summary, stores, args.smoke, args.mlflow_port, args.prefect_port)
         create_markdown_artifact(key="rloo-demo-summary", markdown=markdown, description="RLOO demo summary")
         return markdown
 

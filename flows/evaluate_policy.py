@@ -14,6 +14,7 @@ from typing import Any
 from prefect import flow
 
 from tasks.config import PipelineConfig
+from tasks.datasets import log_stage_input, record_prompt_sets
 from tasks.evaluate import evaluate_win_rate
 from tasks.ingest import ingest_policy_checkpoint, ingest_sft_checkpoint
 from tasks.run_setup import open_pipeline_run
@@ -41,9 +42,11 @@ def evaluate_policy(
     sft = evaluation = None
     with run_status(run.parent):
         try:
+            prompts = record_prompt_sets(cfg.data, run.parent, with_training=False)
             sft = ingest_sft_checkpoint(cfg.sft, run.dir, run.parent)
             candidate = ingest_policy_checkpoint(policy, run.dir, run.parent)
             evaluation = evaluate_win_rate(cfg, candidate.local_path, sft.local_path, run.dir, run.parent)
+            log_stage_input(run.parent, evaluation.mlflow_run_id, prompts.eval)
         except Exception as err:
             publish_failure_summary(TITLE, run.dir, run.parent, err, sft=sft, evaluation=evaluation)
             raise

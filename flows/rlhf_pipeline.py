@@ -16,6 +16,7 @@ from typing import Any
 from prefect import flow
 
 from tasks.config import PipelineConfig
+from tasks.datasets import log_stage_input, record_prompt_sets
 from tasks.evaluate import evaluate_win_rate
 from tasks.ingest import ingest_sft_checkpoint
 from tasks.registry import register_policy
@@ -42,11 +43,14 @@ def rlhf_pipeline(cfg: PipelineConfig, overrides: dict[str, Any] | None = None) 
     sft = reward = policy = evaluation = promotion = None
     with run_status(run.parent):
         try:
+            prompts = record_prompt_sets(cfg.data, run.parent)
             sft = ingest_sft_checkpoint(cfg.sft, run.dir, run.parent)
             reward = load_reward_model(cfg.reward, cfg.data, sft, cfg.train.dtype, run.dir, run.parent)
             policy = train(cfg, sft, reward, run.dir, run.parent)
+            log_stage_input(run.parent, policy.mlflow_run_id, prompts.train)
             evaluation = evaluate_win_rate(cfg, policy.final_dir, sft.local_path, run.dir, run.parent)
-            promotion = register_policy(cfg.tracking, policy, evaluation, sft, run.dir, run.parent)
+            log_stage_input(run.parent, evaluation.mlflow_run_id, prompts.eval)
+            promotion = register_policy(cfg.tracking, policy, evaluation, sft, run.parent)
         except Exception as err:
             publish_failure_summary(
                 TITLE,

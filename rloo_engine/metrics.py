@@ -2,6 +2,10 @@
 
 MLflow is used through `MlflowClient` against an explicit run id, never the fluent active run:
 the launching task owns the run's lifecycle (FINISHED / FAILED / KILLED), the engine only logs.
+While training, MLflow's system-metrics monitor samples the node (CPU, memory, disk, network, and
+GPUs when `pynvml` is installed) into the same run as `system/*`, so a slow run shows why;
+`MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING=false` turns it off, `MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL`
+sets the period (10 s).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +26,7 @@ class MetricsLogger:
         self.client = None
         self.run_id: str | None = None
         self.owns_run = False
+        self.system_metrics = None
         if enabled:
             self._connect_mlflow(run_name, params or {})
 
@@ -33,13 +39,14 @@ class MetricsLogger:
         self.client = MlflowClient()
         if run_id:
             self.run_id = run_id
-            return
-        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "rloo-engine")
-        exp = self.client.get_experiment_by_name(name)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(name)
-        self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
-        self.owns_run = True
-        self.log_params(params)
+        else:
+            name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "rloo-engine")
+            exp = self.client.get_experiment_by_name(name)
+            exp_id = exp.experiment_id if exp else self.client.create_experiment(name)
+            self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
+            self.owns_run = True
+            self.log_params(params)
+        self.system_metrics = _start_system_metrics(self.run_id)
 
     def log_params(self, params: dict[str, Any]) -> None:
         if self.client is None:
@@ -88,5 +95,25 @@ class MetricsLogger:
 
     def finish(self, status: str = "FINISHED") -> None:
         """Ends the run only if the engine created it; a run handed in via MLFLOW_RUN_ID stays open."""
+        if self.system_metrics is not None:
+            self.system_metrics.finish()  # flushes the last samples
+            self.system_metrics = None
         if self.client is not None and self.owns_run:
             self.client.set_terminated(self.run_id, status)
+
+
+def _start_system_metrics(run_id: str):
+    """MLflow's system-metrics monitor on `run_id` (a retry continues its step count); None when disabled."""
+    if os.environ.get("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "true").lower() in ("false", "0", "no", "off"):
+        return None
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(
+            run_id, resume_logging=True, tracking_uri=os.environ.get("MLFLOW_TRACKING_URI") or None
+        )
+        monitor.start()
+        return monitor
+    except Exception as err:  # e.g. psutil missing: training goes on without them
+        print(f"rloo-engine: system metrics are not logged: {type(err).__name__}: {err}", file=sys.stderr)
+        return None

@@ -1,54 +1,116 @@
-"""MLflow "models from code" definition of a registered policy. MLflow executes this file; do not import it.
+"""A trained policy checkpoint as an MLflow LoggedModel of the transformers flavor (task `text-generation`).
 
-A registered version is a pyfunc model whose `checkpoint` artifact is the policy's HF checkpoint
-(`save_pretrained` format). It needs only torch and transformers to load, works offline, and the
-checkpoint itself can be fetched for training or evaluation with
-`mlflow.artifacts.download_artifacts("models:/<name>@<alias>")` (it is under `artifacts/checkpoint/`).
+The checkpoint directory is logged as it is (MLflow's "local checkpoint" path: the files are copied,
+the model is never loaded or run), so a registered version holds the exact weights whose digest
+the pipeline recorded, and `models:/<name>@<alias>` can be ingested again as `sft.source`. The
+LoggedModel's source run is the training run (its final metrics are attached to the model); the
+run that registers it records it as an input. Loading it back:
 
     model = mlflow.pyfunc.load_model("models:/rloo-policy@candidate")
-    model.predict(["TL;DR: ..."], params={"max_new_tokens": 64})  # -> list of completions
+    model.predict(["TL;DR: ..."], params={"max_new_tokens": 64})  # -> list of completions (prompt not repeated)
+
+`mlflow models serve -m models:/rloo-policy@candidate` serves the same predict function.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+import logging
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib.metadata import PackageNotFoundError, version
 
-import mlflow
-from mlflow.pyfunc import PythonModel
+from tasks.secrets import scoped_env
 
-
-class CausalLMPolicy(PythonModel):
-    """Greedy (or sampled, via params) completions of a list of prompts, from the packaged checkpoint."""
-
-    # The signature (with its params schema) is given explicitly when the model is saved, so MLflow's
-    # type-hint validation wrapper (and its "add type hints" warning at every save) is not wanted.
-    _skip_type_hint_validation = True
-
-    def load_context(self, context: Any) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        path = context.artifacts["checkpoint"]
-        self.tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForCausalLM.from_pretrained(path).eval()
-
-    def predict(self, context, model_input, params=None):
-        import torch
-
-        params = params or {}
-        if hasattr(model_input, "columns"):  # DataFrame: the first column holds the prompts
-            model_input = model_input.iloc[:, 0]
-        prompts = [str(p) for p in model_input]
-        enc = self.tokenizer(prompts, return_tensors="pt", padding=True)
-        with torch.inference_mode():
-            out = self.model.generate(
-                **enc,
-                max_new_tokens=int(params.get("max_new_tokens", 128)),
-                do_sample=bool(params.get("do_sample", False)),
-                pad_token_id=self.tokenizer.pad_token_id,
-            )
-        return self.tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+# Generation options a caller may pass to predict(params=...), with their defaults.
+PREDICT_PARAMS = {"max_new_tokens": 128, "do_sample": False, "temperature": 1.0}
 
 
-mlflow.models.set_model(CausalLMPolicy())
+def log_policy_model(
+    checkpoint_dir: str,
+    *,
+    tracking_uri: str,
+    experiment_id: str,
+    train_run_id: str,
+    step: int,
+    description: str,
+    tags: dict[str, str],
+) -> str:
+    """Logs `checkpoint_dir` as a LoggedModel whose source run is `train_run_id`; returns its `models:/<id>` URI."""
+    import mlflow.transformers
+    from huggingface_hub import ModelCard
+    from mlflow.models import infer_signature
+
+    # Prompts in, completions out; generation options as params. Given explicitly, so saving never runs the model.
+    signature = infer_signature(["a prompt"], ["a completion"], params=PREDICT_PARAMS)
+    card = ModelCard(f"---\nlicense: other\n---\n# RLOO policy\n\n{description}\n")
+    # Model.log resolves the store and experiment from the environment (there is no client argument).
+    env = {
+        "MLFLOW_TRACKING_URI": tracking_uri,
+        "MLFLOW_REGISTRY_URI": tracking_uri,
+        "MLFLOW_EXPERIMENT_ID": experiment_id,
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+    }
+    with scoped_env(env), _quiet_mlflow_transformers(), _pipeline_classes_for_mlflow():
+        info = mlflow.transformers.log_model(
+            checkpoint_dir,
+            name="policy",
+            task="text-generation",
+            run_id=train_run_id,
+            step=step,
+            signature=signature,
+            # Completions only, as the judge and the engine see them; greedy unless params say otherwise.
+            model_config={"return_full_text": False},
+            model_card=card,
+            pip_requirements=_requirements(),
+            tags=tags,
+        )
+    return info.model_uri
+
+
+@contextmanager
+def _pipeline_classes_for_mlflow() -> Iterator[None]:
+    """MLflow 3.17 reads `transformers.pipelines.check_task(task)[1]["impl"].__name__` when logging a checkpoint
+    directory; transformers 5 lists `impl` as a dotted string. Resolves it to the class for the duration of the call."""
+    from transformers import pipelines
+
+    original = pipelines.check_task
+
+    def check_task(task):
+        name, meta, options = original(task)
+        impl = meta.get("impl")
+        if isinstance(impl, str):
+            module, _, cls = impl.rpartition(".")
+            meta = {**meta, "impl": getattr(importlib.import_module(module), cls)}
+        return name, meta, options
+
+    pipelines.check_task = check_task
+    try:
+        yield
+    finally:
+        pipelines.check_task = original
+
+
+@contextmanager
+def _quiet_mlflow_transformers() -> Iterator[None]:
+    """The flavor warns about a missing license (ours says `other`: it is the SFT model's) and version ranges."""
+    logger = logging.getLogger("mlflow.transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _requirements() -> list[str]:
+    reqs = ["mlflow"]
+    for package in ("torch", "transformers", "accelerate"):
+        try:
+            reqs.append(f"{package}>={version(package).split('+')[0]}")
+        except PackageNotFoundError:
+            reqs.append(package)
+    return reqs

@@ -1,19 +1,17 @@
 """Task `register_policy`: the promotion gate, and registration of a passing policy in the MLflow Model Registry.
 
 The gate: the lower bound of the policy-vs-SFT win-rate CI must reach `tracking.promotion.min_ci_low`.
-A passing policy is registered as a pyfunc model (`tasks/policy_model.py`, models-from-code) whose
-`checkpoint` artifact is the HF checkpoint, and the alias (e.g. `candidate`) is moved to the new
-version. Registration and the steps after it run in a Prefect transaction: if anything fails after
-the version was created, the rollback hook moves the alias back (or removes it) and deletes the
+A passing policy's checkpoint is logged as a LoggedModel of MLflow's transformers flavor
+(`tasks/policy_model.py`) with the training run as its source run and this stage's run as a user of
+it, registered from that model, and the alias (e.g. `candidate`) is moved to the new version.
+Registration and the steps after it run in a Prefect transaction: if anything fails after the
+version was created, the rollback hook moves the alias back (or removes it) and deletes the
 version, so the registry never points at a half-recorded promotion.
 """
 
 from __future__ import annotations
 
-import shutil
-import warnings
-from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
+import json
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -24,12 +22,12 @@ from tasks import tracking
 from tasks.checkpoints import CheckpointInfo
 from tasks.config import PromotionGate, TrackingSection
 from tasks.evaluate import EvalSummary
-from tasks.secrets import scoped_env
+from tasks.policy_model import log_policy_model
 from tasks.tracking import RunRef
 from tasks.train import TrainResult
 
-POLICY_MODEL_FILE = Path(__file__).with_name("policy_model.py")
 GATE_PAIRING = "policy_vs_sft"
+MODEL_VERSIONS_TAG = "mlflow.modelVersions"
 
 
 class GateDecision(BaseModel):
@@ -45,6 +43,7 @@ class RegisteredVersion(BaseModel):
     version: str
     previous_version: str | None
     model_uri: str
+    logged_model_id: str
 
 
 class Promotion(BaseModel):
@@ -99,7 +98,6 @@ def register_policy(
     trained: TrainResult,
     evaluation: EvalSummary,
     sft: CheckpointInfo,
-    run_dir: str,
     parent: RunRef,
 ) -> Promotion:
     """Applies the gate; on a pass registers the final checkpoint and moves the alias (transactionally)."""
@@ -122,53 +120,63 @@ def register_policy(
         logger.info("gate passed: %s", decision.reason)
         with transaction():
             registered = register_model_version(
-                tracking_cfg.registered_model, gate.alias, trained.final_dir, run_dir, run
+                tracking_cfg.registered_model, gate.alias, trained, sft, decision.reason, run
             )
             describe_model_version(registered, trained, evaluation, sft, parent)
         logger.info("registered %s version %s as @%s", registered.model_name, registered.version, gate.alias)
         tracking.set_tags(parent, {"rloo.registered_version": registered.version})
         return promotion.model_copy(
-            update={"registered": True, **registered.model_dump(exclude={"model_name", "alias"})}
+            update={"registered": True, **registered.model_dump(exclude={"model_name", "alias", "logged_model_id"})}
         )
 
 
 @task(name="register_model_version", cache_policy=NO_CACHE)
-def register_model_version(name: str, alias: str, final_dir: str, run_dir: str, stage: RunRef) -> RegisteredVersion:
-    """Logs the checkpoint as a pyfunc model to the `register` run, creates a version, moves the alias."""
-    import mlflow.pyfunc
-    from mlflow.models import infer_signature
+def register_model_version(
+    name: str, alias: str, trained: TrainResult, sft: CheckpointInfo, gate_reason: str, stage: RunRef
+) -> RegisteredVersion:
+    """Logs the final checkpoint as a LoggedModel of the training run, registers a version of it, moves the alias."""
+    from mlflow.entities import LoggedModelInput
 
     c = tracking.client(stage.tracking_uri)
-    model_dir = Path(run_dir) / "registry" / "policy"
-    shutil.rmtree(model_dir, ignore_errors=True)
-    model_dir.parent.mkdir(parents=True, exist_ok=True)
-    # Prompts in, completions out; generation options as params. Given explicitly, so saving never runs the model.
-    signature = infer_signature(["a prompt"], ["a completion"], params={"max_new_tokens": 128, "do_sample": False})
-    with scoped_env({"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*input example", category=UserWarning)  # the signature is explicit
-        mlflow.pyfunc.save_model(
-            str(model_dir),
-            python_model=str(POLICY_MODEL_FILE),
-            artifacts={"checkpoint": final_dir},
-            pip_requirements=_requirements(),
-            signature=signature,
-        )
-    c.log_artifacts(stage.run_id, str(model_dir), "policy")
+    model_uri = log_policy_model(
+        trained.final_dir,
+        tracking_uri=stage.tracking_uri,
+        experiment_id=stage.experiment_id,
+        train_run_id=trained.mlflow_run_id,
+        step=trained.global_step,
+        description=f"Trained from `{sft.source}` (sha256 {sft.digest[:12]}) for {trained.global_step} steps; "
+        f"promoted because {gate_reason}.",
+        tags={"rloo.sft_digest": sft.digest, "rloo.stage": "train"},
+    )
+    model_id = model_uri.removeprefix("models:/")
+    c.log_inputs(stage.run_id, models=[LoggedModelInput(model_id)])  # the register run used this model
     try:
         c.get_registered_model(name)
     except Exception:
         c.create_registered_model(name, description="RLOO policies promoted by the rlhf-pipeline flow")
     previous = _alias_version(c, name, alias)
-    artifact_uri = c.get_run(stage.run_id).info.artifact_uri
-    mv = c.create_model_version(name, source=f"{artifact_uri}/policy", run_id=stage.run_id)
+    mv = c.create_model_version(name, source=model_uri, run_id=trained.mlflow_run_id, model_id=model_id)
     version = str(mv.version)  # a SQL store answers an int, a tracking server a string
     get_transaction().set(
         "registration",
-        {"tracking_uri": stage.tracking_uri, "name": name, "alias": alias, "version": version, "previous": previous},
+        {
+            "tracking_uri": stage.tracking_uri,
+            "name": name,
+            "alias": alias,
+            "version": version,
+            "previous": previous,
+            "model_id": model_id,
+        },
     )
+    _set_model_version_links(c, model_id, name, version, linked=True)
     c.set_registered_model_alias(name, alias, version)
     return RegisteredVersion(
-        model_name=name, alias=alias, version=version, previous_version=previous, model_uri=f"models:/{name}@{alias}"
+        model_name=name,
+        alias=alias,
+        version=version,
+        previous_version=previous,
+        model_uri=f"models:/{name}@{alias}",
+        logged_model_id=model_id,
     )
 
 
@@ -187,6 +195,19 @@ def _undo_registration(txn) -> None:
         except Exception:
             pass  # the alias was never set
     c.delete_model_version(reg["name"], reg["version"])
+    _set_model_version_links(c, reg["model_id"], reg["name"], reg["version"], linked=False)
+
+
+def _set_model_version_links(c, model_id: str, name: str, version: str, linked: bool) -> None:
+    """Adds (or removes) the version in the LoggedModel's `mlflow.modelVersions` tag, which its UI page lists.
+
+    A tracking server adds it itself when the version is created; a client on a SQL store directly
+    (the demo) does not. Written idempotently, so both end with one entry."""
+    tag = c.get_logged_model(model_id).tags.get(MODEL_VERSIONS_TAG)
+    entries = [v for v in (json.loads(tag) if tag else []) if (v["name"], str(v["version"])) != (name, version)]
+    if linked:
+        entries.append({"name": name, "version": version})
+    c.set_logged_model_tags(model_id, {MODEL_VERSIONS_TAG: json.dumps(entries)})
 
 
 @task(name="describe_model_version", cache_policy=NO_CACHE)
@@ -226,13 +247,3 @@ def _alias_version(c, name: str, alias: str) -> str | None:
         return str(c.get_model_version_by_alias(name, alias).version)
     except Exception:
         return None
-
-
-def _requirements() -> list[str]:
-    reqs = ["mlflow"]
-    for package in ("torch", "transformers"):
-        try:
-            reqs.append(f"{package}>={version(package).split('+')[0]}")
-        except PackageNotFoundError:
-            reqs.append(package)
-    return reqs

@@ -72,7 +72,25 @@ def publish_summary(
     for name, r in (summary.get("evaluation") or {}).items():
         metrics.update({f"{name}/{k}": r.get(k) for k in ("win_rate", "ci_low", "ci_high", "lc_win_rate")})
     tracking.log_metrics(parent, metrics)
+    # The run's description in the MLflow UI: the result, readable without opening anything.
+    tracking.set_tags(parent, {"mlflow.note.content": headline(summary)})
     return summary
+
+
+def headline(s: dict[str, Any]) -> str:
+    """One line: the gate pairing's win rate with its CI, and the promotion decision (or the error)."""
+    parts = []
+    if s.get("error"):
+        parts.append(f"Failed: {s['error']}")
+    for name, r in (s.get("evaluation") or {}).items():
+        if name == "policy_vs_sft" or len(s["evaluation"]) == 1:
+            parts.append(
+                f"{name} win rate {_pct(r['win_rate'])} (95% CI [{_pct(r['ci_low'])}, {_pct(r['ci_high'])}], n={r['n']})"
+            )
+    if p := s.get("promotion"):
+        gate = "gate passed" if p["passed"] else "gate failed"
+        parts.append(f"{gate}; registered {p['model_uri']} (version {p['version']})" if p["registered"] else gate)
+    return "; ".join(parts) or "no results"
 
 
 def publish_failure_summary(title: str, run_dir: str, parent: RunRef, error: BaseException, **results: Any) -> None:
@@ -171,9 +189,12 @@ def render_markdown(title: str, s: dict[str, Any]) -> str:
     lines = [f"# {title}", ""]
     if s.get("error"):
         lines += [f"**Failed:** {s['error']}", ""]
+    # A list, not consecutive lines: Markdown joins consecutive lines into one paragraph.
+    if s.get("evaluation"):
+        lines += [f"**{headline(s)}**", ""]
     lines += [
-        f"MLflow parent run: {mlflow_link}",
-        f"Output directory: `{s['output_dir']}`",
+        f"- MLflow parent run: {mlflow_link}",
+        f"- output directory: `{s['output_dir']}`",
         "",
         "## Stages",
         "",
