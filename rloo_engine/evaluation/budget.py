@@ -3,7 +3,8 @@
 Before each request the guard reserves its worst case: the prompt's estimated tokens plus
 `max_tokens` of reply. A request starts only if the spend so far, the reservations of requests in
 flight and its own reservation all fit in the budget, so the budget holds even with 32 requests
-in flight. When the reply arrives, the reservation is replaced by the real usage.
+in flight. When the reply arrives, the reservation is replaced by the real usage. A Batch API
+submission reserves the worst case of all its rows at batch prices before anything is uploaded.
 """
 
 from __future__ import annotations
@@ -21,9 +22,15 @@ _INITIAL_TOKENS_PER_CHAR = 0.5
 class Price:
     input_per_million: float
     output_per_million: float
+    batch_input_per_million: float | None = None  # None: half the live price (OpenAI's Batch API discount)
+    batch_output_per_million: float | None = None
 
-    def cost(self, prompt_tokens: float, completion_tokens: float) -> float:
-        return (prompt_tokens * self.input_per_million + completion_tokens * self.output_per_million) / 1e6
+    def cost(self, prompt_tokens: float, completion_tokens: float, batch: bool = False) -> float:
+        if not batch:
+            return (prompt_tokens * self.input_per_million + completion_tokens * self.output_per_million) / 1e6
+        inp = self.input_per_million / 2 if self.batch_input_per_million is None else self.batch_input_per_million
+        out = self.output_per_million / 2 if self.batch_output_per_million is None else self.batch_output_per_million
+        return (prompt_tokens * inp + completion_tokens * out) / 1e6
 
 
 class SpendTracker:
@@ -37,26 +44,30 @@ class SpendTracker:
         self.model = model
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self._spent = 0.0  # at the price of each request's mode (live or batch)
         self.requests = 0  # HTTP requests sent, retries included
         self._reserved = 0.0
         self._tokens_per_char = 0.0  # the highest ratio seen in replies; 0 until the first reply
 
     @property
     def cost_usd(self) -> float | None:
-        return None if self.price is None else self.price.cost(self.prompt_tokens, self.completion_tokens)
+        return None if self.price is None else self._spent
 
-    def reserve(self, prompt_chars: int, max_completion_tokens: int) -> float:
-        """Reserves the worst-case cost of one request, or raises BudgetExceededError if it might not fit."""
+    def reserve(self, prompt_chars: int, max_completion_tokens: int, rows: int = 1, batch: bool = False) -> float:
+        """Reserves the worst-case cost of a request (or of a batch of `rows` requests totalling `prompt_chars`),
+        or raises BudgetExceededError if it might not fit."""
         if self.budget_usd is None or self.price is None:
             return 0.0
         ratio = self._tokens_per_char * 1.25 if self._tokens_per_char else _INITIAL_TOKENS_PER_CHAR
-        worst = self.price.cost(prompt_chars * ratio + 16, max_completion_tokens)
+        worst = self.price.cost(prompt_chars * ratio + 16 * rows, max_completion_tokens * rows, batch=batch)
         spent = self.cost_usd or 0.0
         if spent + self._reserved + worst > self.budget_usd:
+            what = f"a batch of {rows} requests" if batch else "the next call"
             raise BudgetExceededError(
-                f"budget_usd: stopping before the next judge call; spent ${spent:.4f} of ${self.budget_usd:.4f} "
-                f"(${self._reserved:.4f} more reserved by calls in flight) and the next call to {self.model!r} "
-                f"could cost up to ${worst:.4f}. Finished judgments are cached: raise budget_usd and rerun to continue."
+                f"budget_usd: stopping before {what}; spent ${spent:.4f} of ${self.budget_usd:.4f} "
+                f"(${self._reserved:.4f} more reserved by calls in flight) and {what} to {self.model!r} "
+                f"could cost up to ${worst:.4f}. Finished judgments are cached: raise budget_usd (or lower "
+                "max_prompts) and rerun to continue."
             )
         self._reserved += worst
         return worst
@@ -64,8 +75,10 @@ class SpendTracker:
     def release(self, reservation: float) -> None:
         self._reserved = max(0.0, self._reserved - reservation)
 
-    def record(self, prompt_chars: int, prompt_tokens: int, completion_tokens: int) -> None:
+    def record(self, prompt_chars: int, prompt_tokens: int, completion_tokens: int, batch: bool = False) -> None:
         self.prompt_tokens += prompt_tokens
         self.completion_tokens += completion_tokens
+        if self.price is not None:
+            self._spent += self.price.cost(prompt_tokens, completion_tokens, batch=batch)
         if prompt_chars > 0 and prompt_tokens > 0:
             self._tokens_per_char = max(self._tokens_per_char, prompt_tokens / prompt_chars)

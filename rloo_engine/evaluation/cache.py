@@ -5,6 +5,10 @@ prompt and both answers in their slots, so the order is part of the key. WAL mod
 per row means a crash loses only the judgments still in flight, and readers (another run, a
 progress monitor) never block the writer. The judge's raw replies are stored, so verdicts can be
 re-parsed offline. `api_error` judgments are not stored: a rerun should try them again.
+
+The `batches` table records every OpenAI Batch API submission (`judge.mode: batch`) before and after
+it is created, so a crashed or cancelled run resumes polling the same batch and never submits the
+same requests twice (see judges/openai_batch.py).
 """
 
 from __future__ import annotations
@@ -36,7 +40,26 @@ CREATE TABLE IF NOT EXISTS judgments (
     completion_tokens INTEGER NOT NULL,
     requests INTEGER NOT NULL,
     error TEXT,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    batch_prompt_tokens INTEGER NOT NULL DEFAULT 0,
+    batch_completion_tokens INTEGER NOT NULL DEFAULT 0
+)
+"""
+# Caches written before the Batch API columns existed get them (their judgments were all live).
+_ADDED_COLUMNS = {
+    "batch_prompt_tokens": "INTEGER NOT NULL DEFAULT 0",
+    "batch_completion_tokens": "INTEGER NOT NULL DEFAULT 0",
+}
+BATCH_SCHEMA = """
+CREATE TABLE IF NOT EXISTS batches (
+    token TEXT PRIMARY KEY,      -- a fresh id per submission, sent as the batch's metadata too
+    judge TEXT NOT NULL,         -- hash of the judge identity
+    batch_id TEXT,               -- null while the submission is being created
+    input_file_id TEXT,
+    custom_ids TEXT NOT NULL,    -- JSON list
+    state TEXT NOT NULL,         -- submitting, open, collected
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
 )
 """
 
@@ -61,6 +84,11 @@ class JudgmentCache:
         # NORMAL is crash-safe for a killed process in WAL mode; only power loss can drop the last commits.
         self._conn.execute("PRAGMA synchronous=NORMAL")
         self._conn.execute(SCHEMA)
+        self._conn.execute(BATCH_SCHEMA)
+        columns = {row[1] for row in self._conn.execute("PRAGMA table_info(judgments)")}
+        for name, kind in _ADDED_COLUMNS.items():
+            if name not in columns:
+                self._conn.execute(f"ALTER TABLE judgments ADD COLUMN {name} {kind}")
 
     def __enter__(self) -> JudgmentCache:
         return self
@@ -74,19 +102,20 @@ class JudgmentCache:
         for start in range(0, len(keys), 500):
             chunk = keys[start : start + 500]
             rows = self._conn.execute(
-                "SELECT key, status, verdict, raw_texts, prompt_tokens, completion_tokens, requests, error "
+                "SELECT key, status, verdict, raw_texts, prompt_tokens, completion_tokens, requests, error, "
+                "batch_prompt_tokens, batch_completion_tokens "
                 f"FROM judgments WHERE key IN ({','.join('?' * len(chunk))})",
                 chunk,
             )
-            for key, status, verdict, raw, pt, ct, requests, error in rows:
-                found[key] = Judgment(status, verdict, json.loads(raw), pt, ct, requests, error)
+            for key, status, verdict, raw, pt, ct, requests, error, bpt, bct in rows:
+                found[key] = Judgment(status, verdict, json.loads(raw), pt, ct, requests, error, bpt, bct)
         return found
 
     def put(self, key: str, identity: dict[str, Any], template_hash: str | None, pair: SlotPair, j: Judgment) -> None:
         if j.status == "api_error":
             return
         self._conn.execute(
-            "INSERT OR REPLACE INTO judgments VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            "INSERT OR REPLACE INTO judgments VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 key,
                 identity["backend"],
@@ -104,8 +133,43 @@ class JudgmentCache:
                 j.requests,
                 j.error,
                 time.time(),
+                j.batch_prompt_tokens,
+                j.batch_completion_tokens,
             ),
         )
+
+    # ------------------------------------------------------------------ Batch API submissions
+    def unfinished_batches(self, judge: str) -> list[dict[str, Any]]:
+        """Submissions of this judge not yet collected: {token, batch_id (None while submitting), custom_ids}."""
+        rows = self._conn.execute(
+            "SELECT token, batch_id, custom_ids, state FROM batches WHERE judge = ? AND state != 'collected' "
+            "ORDER BY created_at",
+            (judge,),
+        )
+        return [{"token": t, "batch_id": b, "custom_ids": json.loads(c), "state": st} for t, b, c, st in rows]
+
+    def batch_submitting(self, token: str, judge: str, custom_ids: list[str]) -> None:
+        """Recorded before the batch is created, so a crash in between is noticed on resume."""
+        now = time.time()
+        self._conn.execute(
+            "INSERT OR REPLACE INTO batches VALUES (?,?,?,?,?,?,?,?)",
+            (token, judge, None, None, json.dumps(custom_ids), "submitting", now, now),
+        )
+
+    def batch_submitted(self, token: str, batch_id: str, input_file_id: str | None) -> None:
+        self._conn.execute(
+            "UPDATE batches SET batch_id = ?, input_file_id = ?, state = 'open', updated_at = ? WHERE token = ?",
+            (batch_id, input_file_id, time.time(), token),
+        )
+
+    def batch_collected(self, token: str) -> None:
+        self._conn.execute(
+            "UPDATE batches SET state = 'collected', updated_at = ? WHERE token = ?", (time.time(), token)
+        )
+
+    def batch_forget(self, token: str) -> None:
+        """Drops a submission that never reached the endpoint (its requests go in a new batch)."""
+        self._conn.execute("DELETE FROM batches WHERE token = ?", (token,))
 
     def count(self) -> int:
         return self._conn.execute("SELECT COUNT(*) FROM judgments").fetchone()[0]

@@ -73,7 +73,9 @@ def position_bias_warning(r: PairingResult, cfg: EvalConfig) -> str | None:
             if r.bias_corrected_ci_low is not None
             else ""
         )
-        corrected = f"; bias-corrected win rate {r.bias_corrected_win_rate:.3f}{ci} (estimated slot bias {r.slot_bias:.2f})"
+        corrected = (
+            f"; bias-corrected win rate {r.bias_corrected_win_rate:.3f}{ci} (estimated slot bias {r.slot_bias:.2f})"
+        )
     return (
         f"{r.name}: position bias: {', '.join(reasons)}; the judge answers by slot often enough to pull the raw win "
         f"rate {r.win_rate:.3f} toward 0.5{corrected}"
@@ -82,7 +84,10 @@ def position_bias_warning(r: PairingResult, cfg: EvalConfig) -> str | None:
 
 def length_warning(r: PairingResult, cfg: EvalConfig) -> str | None:
     if r.lc_not_estimable:
-        return f"{r.name}: length-controlled win rate not estimable: {r.lc_not_estimable}; read the raw rate with the mean lengths ({r.mean_length_a:.1f} vs {r.mean_length_b:.1f} {r.length_unit})"
+        return (
+            f"{r.name}: length-controlled win rate not estimable: {r.lc_not_estimable}; read the raw rate with the "
+            f"mean lengths ({r.mean_length_a:.1f} vs {r.mean_length_b:.1f} {r.length_unit})"
+        )
     if r.win_rate is None or r.lc_win_rate is None:
         return None
     gap = r.lc_win_rate - r.win_rate

@@ -67,6 +67,12 @@ class TokenPrice(_Strict):
 
     input_per_million: float = F(..., "USD per 1M prompt (input) tokens.", ge=0.0)
     output_per_million: float = F(..., "USD per 1M completion (output) tokens.", ge=0.0)
+    batch_input_per_million: float | None = F(
+        None, "USD per 1M input tokens through the Batch API (`judge.mode: batch`). None = half the live price.", ge=0.0
+    )
+    batch_output_per_million: float | None = F(
+        None, "USD per 1M output tokens through the Batch API. None = half the live price.", ge=0.0
+    )
 
 
 class JudgeConfig(_Strict):
@@ -82,6 +88,29 @@ class JudgeConfig(_Strict):
         None,
         "openai: the model name sent to the endpoint (e.g. `gpt-4o`). hf / reward_model: a local directory or "
         "hub id. Not used by the python backend.",
+    )
+    mode: Literal["live", "batch"] = F(
+        "live",
+        "openai: `live` sends chat-completion requests now. `batch` writes them to a JSONL file, submits it to the "
+        "OpenAI Batch API (half price, separate rate limits, results within `batch_completion_window`), polls "
+        "until it ends and maps the results back; for nightly runs, not interactive ones (docs/evaluation.md).",
+    )
+    batch_poll_initial_s: float = F(
+        30.0, "batch: first wait between status polls; it doubles after each poll up to `batch_poll_max_s`.", gt=0.0
+    )
+    batch_poll_max_s: float = F(600.0, "batch: longest wait between two status polls.", gt=0.0)
+    batch_completion_window: Literal["24h"] = F(
+        "24h", "batch: the batch's completion window (the only one OpenAI offers); rows not done by then expire."
+    )
+    batch_max_requests: int = F(
+        50_000, "batch: requests per batch file (OpenAI's limit is 50,000); more judgments go in several batches.",
+        ge=1,
+        le=50_000,
+    )
+    batch_unfinished: Literal["count", "live"] = F(
+        "count",
+        "batch: what happens to rows that expired, failed or were cancelled. `count`: counted as `api_error` and "
+        "not cached, so the next run re-submits them in a new batch. `live`: judged at once with live requests.",
     )
     base_url: str | None = F(
         None, "openai: endpoint base URL, e.g. `http://localhost:8000/v1` for vllm. None = OpenAI's public API."
@@ -172,6 +201,8 @@ class JudgeConfig(_Strict):
                     f"function: {self.function!r}; the python judge needs an import path like "
                     "'my_pkg.rules:prefer_shorter'"
                 )
+        if self.mode == "batch" and self.backend != "openai":
+            raise ValueError(f"mode: 'batch' with backend {self.backend!r}; the Batch API needs the openai backend")
         if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url: {self.base_url!r}; expected an http:// or https:// URL")
         return self

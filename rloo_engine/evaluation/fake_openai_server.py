@@ -179,6 +179,9 @@ class FakeOpenAIServer:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
+        from rloo_engine.evaluation.fake_batch_api import FakeBatchAPI  # the Files + Batches endpoints
+
+        self.batch_api = FakeBatchAPI(self)
 
     @property
     def port(self) -> int:
@@ -250,17 +253,21 @@ class FakeOpenAIServer:
                 request_line = await reader.readline()
                 if not request_line:
                     return
-                _, path, _ = request_line.decode("latin-1").split(" ", 2)
+                method, path, _ = request_line.decode("latin-1").split(" ", 2)
                 headers: dict[str, str] = {}
                 while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
                     name, _, value = line.decode("latin-1").partition(":")
                     headers[name.strip().lower()] = value.strip()
                 raw = await reader.readexactly(int(headers.get("content-length", 0)))
-                status, payload, extra = await self._respond(path, raw, headers.get("authorization", ""))
-                data = json.dumps(payload).encode()
+                if self.batch_api.handles(path):
+                    status, payload, extra = self.batch_api.respond(method, path, raw, headers)
+                else:
+                    status, payload, extra = await self._respond(path, raw, headers.get("authorization", ""))
+                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+                content_type = "application/octet-stream" if isinstance(payload, bytes) else "application/json"
                 head = [
                     f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
-                    "Content-Type: application/json",
+                    f"Content-Type: {content_type}",
                     f"Content-Length: {len(data)}",
                     *(f"{k}: {v}" for k, v in extra.items()),
                 ]
@@ -283,6 +290,24 @@ class FakeOpenAIServer:
         except json.JSONDecodeError:
             return 400, {"error": {"message": "body is not JSON"}}, {}
         arrived = time.monotonic()
+        request, reply = self.chat_reply(body, authorization)
+        with self._lock:
+            self.requests.append(
+                RecordedRequest(
+                    arrived, request.answer_a, request.answer_b, request.is_reask, reply.status, authorization
+                )
+            )
+            self._in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self._in_flight)
+        try:
+            await asyncio.sleep(self.latency_s + reply.delay_s)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+        return self.reply_payload(body, reply)
+
+    def chat_reply(self, body: dict[str, Any], authorization: str) -> tuple[ChatRequest, FakeReply]:
+        """The behaviour's reply to one chat-completions body (live, or a row of a batch)."""
         messages = body.get("messages") or []
         first_user = next((m.get("content", "") for m in messages if m.get("role") == "user"), "")
         match = _ANSWERS_RE.search(first_user or "")
@@ -294,18 +319,11 @@ class FakeOpenAIServer:
         request = ChatRequest(
             body, match.group(1) if match else None, match.group(2) if match else None, is_reask, seen, authorization
         )
-        reply = self.behaviour(request)
-        with self._lock:
-            self.requests.append(
-                RecordedRequest(arrived, request.answer_a, request.answer_b, is_reask, reply.status, authorization)
-            )
-            self._in_flight += 1
-            self.max_in_flight = max(self.max_in_flight, self._in_flight)
-        try:
-            await asyncio.sleep(self.latency_s + reply.delay_s)
-        finally:
-            with self._lock:
-                self._in_flight -= 1
+        return request, self.behaviour(request)
+
+    def reply_payload(self, body: dict[str, Any], reply: FakeReply) -> tuple[int, Any, dict[str, str]]:
+        messages = body.get("messages") or []
+        fingerprint = hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()
         if reply.status != 200:
             return reply.status, reply.error_body or {"error": {"message": f"HTTP {reply.status}"}}, reply.headers
         if reply.body is not None:

@@ -112,7 +112,11 @@ class Usage(BaseModel):
     judgments_without_call: int = Field(description="Identical-answer ties, decided without the judge.")
     prompt_tokens: int
     completion_tokens: int
-    cost_usd: float | None = Field(description="Cost of this run; None when the judge model has no price.")
+    cost_usd: float | None = Field(
+        description="Cost of this run (Batch API tokens at batch prices); None when the judge model has no price."
+    )
+    batch_prompt_tokens: int = Field(0, description="Of prompt_tokens, those sent through the Batch API.")
+    batch_completion_tokens: int = Field(0, description="Of completion_tokens, those returned by the Batch API.")
     total_prompt_tokens: int = Field(description="Tokens of every judgment in this report, cached ones included.")
     total_completion_tokens: int
     total_cost_usd: float | None

@@ -94,7 +94,7 @@ def run_evaluation(
     spend = SpendTracker(price, cfg.budget_usd, cfg.judge.model or "")
     cache_path = cfg.resolved_cache_path()
     with JudgmentCache(cache_path) as cache:
-        slots, results, identity, template_hash = _run(
+        slots, results, identity, template_hash, run_info = _run(
             judge_items(cfg, template, spend, [i for name in names for i in items[name]], cache)
         )
     judged_at = time.perf_counter()
@@ -128,6 +128,8 @@ def run_evaluation(
             "identity": identity,
             "order_mode": cfg.order_mode,
             "both_orders_rule": cfg.both_orders_rule if cfg.order_mode == "both" else None,
+            "mode": cfg.judge.mode if cfg.judge.backend == "openai" else None,
+            **({"batch": run_info} if run_info else {}),
         },
         warnings=report_warnings(pairing_results, cfg),
         timings={
@@ -198,10 +200,11 @@ def collect_completions(
 
 async def judge_items(
     cfg: EvalConfig, template: JudgeTemplate | None, spend: SpendTracker, items: list[PairItem], cache: JudgmentCache
-) -> tuple[dict[SlotKey, str], dict[str, tuple[Judgment, bool]], dict[str, Any], str | None]:
+) -> tuple[dict[SlotKey, str], dict[str, tuple[Judgment, bool]], dict[str, Any], str | None, dict[str, Any]]:
     """Judges every (item, order) not in the cache; returns (slot -> cache key, key -> (judgment, cached),
-    judge identity, template hash). Each new judgment is written to the cache as soon as it returns."""
-    judge = build_judge(cfg.judge, template, spend)
+    judge identity, template hash, the judge's run info). Each new judgment is written to the cache as soon
+    as it returns."""
+    judge = build_judge(cfg.judge, template, spend, batch_store=cache)
     try:
         identity = judge.identity()
         slots: dict[SlotKey, str] = {}
@@ -230,7 +233,7 @@ async def judge_items(
             bar.close()
     finally:
         await judge.aclose()
-    return slots, results, identity, judge.template_hash
+    return slots, results, identity, judge.template_hash, judge.run_info()
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
@@ -254,7 +257,7 @@ def _price(cfg: EvalConfig) -> Price | None:
     if cfg.judge.backend != "openai" or cfg.judge.model not in cfg.prices:
         return None
     p = cfg.prices[cfg.judge.model]
-    return Price(p.input_per_million, p.output_per_million)
+    return Price(p.input_per_million, p.output_per_million, p.batch_input_per_million, p.batch_output_per_million)
 
 
 def _usage(
@@ -264,6 +267,16 @@ def _usage(
     every = [j for j, _ in results.values()]
     pt, ct = sum(j.prompt_tokens for j in fresh), sum(j.completion_tokens for j in fresh)
     total_pt, total_ct = sum(j.prompt_tokens for j in every), sum(j.completion_tokens for j in every)
+
+    def cost(judgments: list[Judgment]) -> float | None:
+        """Live tokens at live prices, Batch API tokens at batch prices."""
+        if price is None:
+            return None
+        bpt, bct = sum(j.batch_prompt_tokens for j in judgments), sum(j.batch_completion_tokens for j in judgments)
+        pt_all, ct_all = sum(j.prompt_tokens for j in judgments), sum(j.completion_tokens for j in judgments)
+        live = price.cost(pt_all - bpt, ct_all - bct)
+        return live + price.cost(bpt, bct, batch=True)
+
     return Usage(
         requests=sum(j.requests for j in fresh),
         judgments_made=len(fresh),
@@ -271,10 +284,12 @@ def _usage(
         judgments_without_call=n_identical,
         prompt_tokens=pt,
         completion_tokens=ct,
-        cost_usd=price.cost(pt, ct) if price else None,
+        cost_usd=cost(fresh),
+        batch_prompt_tokens=sum(j.batch_prompt_tokens for j in fresh),
+        batch_completion_tokens=sum(j.batch_completion_tokens for j in fresh),
         total_prompt_tokens=total_pt,
         total_completion_tokens=total_ct,
-        total_cost_usd=price.cost(total_pt, total_ct) if price else None,
+        total_cost_usd=cost(every),
         budget_usd=budget,
     )
 

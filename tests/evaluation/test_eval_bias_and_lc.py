@@ -70,9 +70,10 @@ def test_bias_correction_changes_nothing_for_an_unbiased_judge():
 def test_a_run_with_a_slot_biased_judge_warns_in_the_report_and_the_cli_line(tmp_path):
     rng = np.random.default_rng(0)
     better = rng.random(N_PROMPTS) < TRUTH
-    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"post {i}", "reference": f"ref {i}"} for i in range(N_PROMPTS)])
-    policy = [{"prompt": f"post {i}", "completion": f"pol {i} [better]" if better[i] else f"pol {i}"} for i in range(N_PROMPTS)]
-    refs = [{"prompt": f"post {i}", "completion": f"ref {i}" if better[i] else f"ref {i} [better]"} for i in range(N_PROMPTS)]
+    ids = range(N_PROMPTS)
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"post {i}"} for i in ids])
+    policy = [{"prompt": f"post {i}", "completion": f"pol {i} [better]" if better[i] else f"pol {i}"} for i in ids]
+    refs = [{"prompt": f"post {i}", "completion": f"ref {i}" if better[i] else f"ref {i} [better]"} for i in ids]
     cfg = _cfg(
         tmp_path,
         policy_completions=str(write_jsonl(tmp_path / "policy.jsonl", policy)),

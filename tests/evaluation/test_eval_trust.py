@@ -21,7 +21,9 @@ from tests.evaluation.eval_helpers import API_KEY, config_values, make_eval_file
 
 
 # ---------------------------------------------------------------- 3. a run that judged nothing fails
-def test_a_pairing_with_no_valid_judgment_raises_and_the_cli_exits_non_zero(fake_server, make_config, tmp_path, capsys):
+def test_a_pairing_with_no_valid_judgment_raises_and_the_cli_exits_non_zero(
+    fake_server, make_config, tmp_path, capsys
+):
     server = fake_server("server_error")
     cfg = make_config(server, pairings=["policy_vs_reference"], max_prompts=3)
     with pytest.raises(EvaluationError) as err:
@@ -36,9 +38,9 @@ def test_a_pairing_with_no_valid_judgment_raises_and_the_cli_exits_non_zero(fake
 
 
 def test_failed_judgments_above_the_allowed_fraction_fail_the_run(fake_server, make_config):
-    # the first prompt's requests always fail; the other nine are judged: 10% failed
+    # the first prompt's requests (policy answer "a good summary 0") always fail; the other nine are judged
     def flaky(req):
-        if req.answer_a and ("summary 0" in req.answer_a or "summary 0" in req.answer_b or "post 0" in req.answer_a):
+        if "summary 0" in f"{req.answer_a} {req.answer_b}":
             return FakeReply(500, error_body={"error": {"message": "boom"}})
         return sensible(req)
 
@@ -46,7 +48,8 @@ def test_failed_judgments_above_the_allowed_fraction_fail_the_run(fake_server, m
     with pytest.raises(EvaluationError) as err:
         run_evaluation(make_config(server, pairings=["policy_vs_reference"], max_failed_fraction=0.05))
     assert "max_failed_fraction" in str(err.value) and "1 of 10" in str(err.value)
-    report = run_evaluation(make_config(server, out="lenient", pairings=["policy_vs_reference"], max_failed_fraction=0.2))
+    cfg = make_config(server, out="lenient", pairings=["policy_vs_reference"], max_failed_fraction=0.2)
+    report = run_evaluation(cfg)
     assert report.pairings["policy_vs_reference"].n_api_error == 1
 
 
@@ -201,7 +204,11 @@ def test_ambiguous_verdicts_are_still_refused(text):
 
 
 def test_verdict_followed_by_prose_costs_no_reask(fake_server, make_config):
-    server = fake_server(lambda req: FakeReply(text=f"Preferred: {'A' if sensible(req).text.endswith('A') else 'B'}\nBecause it is better."))
+    def verdict_then_prose(req):
+        slot = sensible(req).text[-1]
+        return FakeReply(text=f"Preferred: {slot}\nBecause it keeps the key point.")
+
+    server = fake_server(verdict_then_prose)
     report = run_evaluation(make_config(server, pairings=["policy_vs_reference"]))
     assert report.pairings["policy_vs_reference"].win_rate == 0.7
     assert server.request_count == 20

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from rloo_engine.config import ConfigError
 from rloo_engine.evaluation.budget import SpendTracker
@@ -26,13 +27,22 @@ def read_api_key(cfg: JudgeConfig) -> str | None:
     return key
 
 
-def build_judge(cfg: JudgeConfig, template: JudgeTemplate | None, spend: SpendTracker) -> Judge:
+def build_judge(
+    cfg: JudgeConfig, template: JudgeTemplate | None, spend: SpendTracker, batch_store: Any = None
+) -> Judge:
     """The judge for `cfg.backend`. Call inside the event loop that will use it (the HTTP client binds to it).
 
     `template` is needed by the openai and hf backends; the others compare answers without a prompt.
+    `batch_store` (the JudgmentCache) records Batch API submissions, for `mode: batch`.
     """
     if cfg.backend in ("openai", "hf") and template is None:
         raise ValueError(f"judge.backend {cfg.backend!r} needs a judge template")
+    if cfg.backend == "openai" and cfg.mode == "batch":
+        from rloo_engine.evaluation.judges.openai_batch import OpenAIBatchJudge
+
+        if batch_store is None:
+            raise ValueError("judge.mode 'batch' needs a batch store (the judgment cache) to record submissions")
+        return OpenAIBatchJudge(cfg, template, spend, read_api_key(cfg), batch_store)  # type: ignore[arg-type]
     if cfg.backend == "openai":
         from rloo_engine.evaluation.judges.openai_judge import OpenAIJudge
 

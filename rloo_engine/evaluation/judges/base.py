@@ -45,8 +45,10 @@ class Judgment:
     raw_texts: list[str] = field(default_factory=list)  # every reply of the judge, first ask then re-ask
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    requests: int = 0  # HTTP requests sent, retries included (0 for local judges)
+    requests: int = 0  # HTTP requests sent, retries included (0 for local judges); a batch row counts 1
     error: str | None = None
+    batch_prompt_tokens: int = 0  # the part of the token counts above billed at Batch API prices
+    batch_completion_tokens: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), ensure_ascii=False)
@@ -87,6 +89,10 @@ class Judge(abc.ABC):
                     on_judgment(start + offset, judgment)
             results.extend(judged)
         return results
+
+    def run_info(self) -> dict[str, Any]:
+        """What this judge did beyond the judgments, for the report (e.g. the batches it submitted)."""
+        return {}
 
     async def aclose(self) -> None:  # noqa: B027 (a no-op by default, not abstract)
         """Releases clients or models; the judge is not used afterwards."""

@@ -138,6 +138,10 @@ class OpenAIJudge(Judge):
         text = await self._complete(messages, judgment)
         if text is None:
             return judgment
+        return await self._verdict(judgment, messages, text)
+
+    async def _verdict(self, judgment: Judgment, messages: list[dict[str, str]], text: str) -> Judgment:
+        """Parses the first reply `text`; re-asks once (live) when it does not parse."""
         judgment.raw_texts.append(text)
         verdict = parse_verdict(text, self.template.verdict_prefix)
         if verdict is None and self.reask:
@@ -203,7 +207,8 @@ class OpenAIJudge(Judge):
                         self._record_usage(response, prompt_chars, text, judgment)
                         return text
                     if text is None:
-                        error = f"malformed response (not a chat completion): {redact(str(response), self._secret)[:200]!r}"
+                        shown = redact(str(response), self._secret)[:200]
+                        error = f"malformed response (not a chat completion): {shown!r}"
                     else:  # an empty reply is a transient failure a retry fixes, not the judge's verdict
                         error = f"empty reply (finish_reason {_finish_reason(response)!r})"
                 finally:

@@ -1,0 +1,177 @@
+"""The OpenAI Files and Batches endpoints of the fake server, for testing `judge.mode: batch` offline.
+
+Speaks what the official client sends: `POST /v1/files` (multipart, purpose `batch`),
+`GET /v1/files/{id}/content`, `POST /v1/batches`, `GET /v1/batches/{id}`, `GET /v1/batches`
+(with `metadata`) and `POST /v1/batches/{id}/cancel`. A batch stays `in_progress` for
+`polls_to_finish` retrieves (or while `hold` is set), then runs every row through the server's
+chat behaviour: 200 replies go to the output file, others to the error file. `expire_after_rows=k`
+finishes only the first k rows and ends the batch `expired`, the rest in the error file as
+`batch_expired` (a partial expiry, as OpenAI reports it). Everything is counted for the tests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rloo_engine.evaluation.fake_openai_server import FakeOpenAIServer
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class FakeBatch:
+    id: str
+    input_file_id: str
+    metadata: dict[str, str]
+    rows: list[dict[str, Any]]
+    status: str = "validating"
+    polls: int = 0
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+    def to_json(self) -> dict[str, Any]:
+        done = self.status in ("completed", "expired", "cancelled", "failed")
+        return {
+            "id": self.id,
+            "object": "batch",
+            "endpoint": "/v1/chat/completions",
+            "input_file_id": self.input_file_id,
+            "completion_window": "24h",
+            "status": self.status,
+            "output_file_id": self.output_file_id,
+            "error_file_id": self.error_file_id,
+            "created_at": self.created_at,
+            "metadata": self.metadata,
+            "errors": None,
+            "request_counts": {"total": len(self.rows), "completed": 0, "failed": 0} if not done else None,
+        }
+
+
+class FakeBatchAPI:
+    def __init__(self, server: FakeOpenAIServer, polls_to_finish: int = 2, expire_after_rows: int | None = None):
+        self.server = server
+        self.polls_to_finish = polls_to_finish
+        self.expire_after_rows = expire_after_rows
+        self.hold = False  # while True, batches stay in_progress however often they are polled
+        self.files: dict[str, bytes] = {}
+        self.uploads: list[str] = []  # ids of files uploaded with purpose "batch"
+        self.batches: dict[str, FakeBatch] = {}
+        self.retrieves = 0
+        self.calls: list[tuple[str, str]] = []  # (method, path) of every Files/Batches request
+        self._lock = threading.Lock()
+
+    def handles(self, path: str) -> bool:
+        return re.match(r"^(/v1)?/(files|batches)", path) is not None
+
+    @property
+    def batches_created(self) -> int:
+        with self._lock:
+            return len(self.batches)
+
+    def respond(self, method: str, path: str, raw: bytes, headers: dict[str, str]) -> tuple[int, Any, dict[str, str]]:
+        path = path.split("?", 1)[0].removeprefix("/v1")
+        with self._lock:
+            self.calls.append((method, path))
+            if method == "POST" and path == "/files":
+                return self._upload(raw, headers.get("content-type", ""))
+            if method == "GET" and (m := re.fullmatch(r"/files/([^/]+)/content", path)):
+                if m.group(1) not in self.files:
+                    return 404, {"error": {"message": f"no file {m.group(1)}"}}, {}
+                return 200, self.files[m.group(1)], {}
+            if method == "POST" and path == "/batches":
+                return self._create(json.loads(raw))
+            if method == "GET" and path == "/batches":
+                data = [b.to_json() for b in reversed(list(self.batches.values()))]
+                return 200, {"object": "list", "data": data, "has_more": False}, {}
+            if m := re.fullmatch(r"/batches/([^/]+)(/cancel)?", path):
+                batch = self.batches.get(m.group(1))
+                if batch is None:
+                    return 404, {"error": {"message": f"no batch {m.group(1)}"}}, {}
+                if m.group(2):
+                    batch.status = "cancelled" if batch.status not in ("completed", "expired") else batch.status
+                    self._finish(batch, len(batch.rows) if batch.status != "cancelled" else 0, "batch_cancelled")
+                else:
+                    self.retrieves += 1
+                    self._advance(batch)
+                return 200, batch.to_json(), {}
+        return 404, {"error": {"message": f"no route {method} {path}"}}, {}
+
+    def _upload(self, raw: bytes, content_type: str) -> tuple[int, Any, dict[str, str]]:
+        boundary = re.search(r"boundary=\"?([^\";]+)", content_type)
+        if boundary is None:
+            return 400, {"error": {"message": "expected multipart/form-data"}}, {}
+        content, purpose = None, None
+        for part in raw.split(b"--" + boundary.group(1).encode()):
+            head, _, body = part.partition(b"\r\n\r\n")
+            body = body.removesuffix(b"\r\n")
+            if b'name="file"' in head:
+                content = body
+            elif b'name="purpose"' in head:
+                purpose = body.decode()
+        if content is None or purpose != "batch":
+            return 400, {"error": {"message": f"expected a file with purpose batch (got {purpose!r})"}}, {}
+        file_id = f"file-{next(_ids)}"
+        self.files[file_id] = content
+        self.uploads.append(file_id)
+        return 200, {"id": file_id, "object": "file", "bytes": len(content), "purpose": "batch"}, {}
+
+    def _create(self, body: dict[str, Any]) -> tuple[int, Any, dict[str, str]]:
+        file_id = body.get("input_file_id")
+        if file_id not in self.files or body.get("endpoint") != "/v1/chat/completions":
+            message = f"bad input_file_id {file_id!r} or endpoint {body.get('endpoint')!r}"
+            return 400, {"error": {"message": message}}, {}
+        rows = [json.loads(line) for line in self.files[file_id].decode().splitlines() if line.strip()]
+        batch = FakeBatch(f"batch_{next(_ids)}", file_id, dict(body.get("metadata") or {}), rows)
+        self.batches[batch.id] = batch
+        return 200, batch.to_json(), {}
+
+    def _advance(self, batch: FakeBatch) -> None:
+        if batch.status in ("completed", "expired", "cancelled", "failed"):
+            return
+        batch.polls += 1
+        if self.hold or batch.polls < self.polls_to_finish:
+            batch.status = "in_progress"
+            return
+        if self.expire_after_rows is not None and self.expire_after_rows < len(batch.rows):
+            batch.status = "expired"
+            self._finish(batch, self.expire_after_rows, "batch_expired")
+        else:
+            batch.status = "completed"
+            self._finish(batch, len(batch.rows), "")
+
+    def _finish(self, batch: FakeBatch, n_done: int, unfinished_code: str) -> None:
+        outputs, errors = [], []
+        for i, row in enumerate(batch.rows):
+            if i >= n_done:
+                message = "This request could not be executed before the completion window expired."
+                errors.append(
+                    {
+                        "id": f"batch_req_{i}",
+                        "custom_id": row["custom_id"],
+                        "response": None,
+                        "error": {"code": unfinished_code, "message": message},
+                    }
+                )
+                continue
+            _, reply = self.server.chat_reply(row["body"], "")
+            status, payload, _ = self.server.reply_payload(row["body"], reply)
+            result = {
+                "id": f"batch_req_{i}",
+                "custom_id": row["custom_id"],
+                "response": {"status_code": status, "request_id": f"req_{i}", "body": payload},
+                "error": None,
+            }
+            (outputs if status == 200 else errors).append(result)
+        for rows, attr in ((outputs, "output_file_id"), (errors, "error_file_id")):
+            if rows:
+                file_id = f"file-{next(_ids)}"
+                self.files[file_id] = "".join(json.dumps(r) + "\n" for r in rows).encode()
+                setattr(batch, attr, file_id)
