@@ -1,4 +1,4 @@
-"""Flow `rlhf-pipeline`: ingest SFT -> check rewards -> RLOO training -> judge win rates -> promotion gate.
+"""Flow `rlhf-pipeline`: check eval inputs -> ingest SFT -> check rewards -> RLOO -> judge win rates -> promotion gate.
 
     python -m flows.rlhf_pipeline --config configs/pipeline_example.yaml [--set train.max_steps=100 ...]
     prefect deployment run 'rlhf-pipeline/on-demand' --param overrides='{"train.learning_rate": 3e-6}'
@@ -17,7 +17,7 @@ from prefect import flow
 
 from tasks.config import PipelineConfig
 from tasks.datasets import log_stage_input, record_prompt_sets
-from tasks.evaluate import evaluate_win_rate
+from tasks.evaluate import check_evaluation_inputs, evaluate_win_rate
 from tasks.ingest import ingest_sft_checkpoint
 from tasks.registry import register_policy
 from tasks.reward import load_reward_model
@@ -43,6 +43,7 @@ def rlhf_pipeline(cfg: PipelineConfig, overrides: dict[str, Any] | None = None) 
     sft = reward = policy = evaluation = promotion = None
     with run_status(run.parent):
         try:
+            check_evaluation_inputs(cfg)  # judge, eval prompts, references: fail now, not after training
             prompts = record_prompt_sets(cfg.data, run.parent)
             sft = ingest_sft_checkpoint(cfg.sft, run.dir, run.parent)
             reward = load_reward_model(cfg.reward, cfg.data, sft, cfg.train.dtype, run.dir, run.parent)

@@ -184,6 +184,11 @@ class LaunchSection(_Section):
     )
 
 
+def _eval_field(name: str) -> Any:
+    """EvalConfig's field `name` (default, constraints, description), so the two never drift apart."""
+    return copy.deepcopy(EvalConfig.model_fields[name])
+
+
 class EvaluationSection(_Section):
     """The judge evaluation: which judge, which pairings, how many prompts. See docs/evaluation.md."""
 
@@ -200,6 +205,11 @@ class EvaluationSection(_Section):
         default_factory=GenerationConfig,
         description="How policy and SFT completions are generated (greedy by default).",
     )
+    max_failed_fraction: float = _eval_field("max_failed_fraction")
+    min_consistency: float = _eval_field("min_consistency")
+    max_first_slot_deviation: float = _eval_field("max_first_slot_deviation")
+    lc_min_overlap: float = _eval_field("lc_min_overlap")
+    lc_warning_threshold: float = _eval_field("lc_warning_threshold")
     bootstrap_resamples: int = F(2000, "Bootstrap resamples for each confidence interval.", ge=1000)
     confidence_level: float = F(0.95, "Coverage of the confidence intervals.", gt=0.5, lt=1.0)
     seed: int = F(0, "Seed of single-order coin flips and bootstraps.")
@@ -326,6 +336,11 @@ class PipelineConfig(_Section):
             both_orders_rule=e.both_orders_rule,
             seed=e.seed,
             bootstrap_resamples=e.bootstrap_resamples,
+            max_failed_fraction=e.max_failed_fraction,
+            min_consistency=e.min_consistency,
+            max_first_slot_deviation=e.max_first_slot_deviation,
+            lc_min_overlap=e.lc_min_overlap,
+            lc_warning_threshold=e.lc_warning_threshold,
             confidence_level=e.confidence_level,
             prices={k: v.model_dump() for k, v in e.prices.items()},
             budget_usd=e.budget_usd,

@@ -3,6 +3,11 @@
 Per pairing the `evaluate` MLflow run gets `<pairing>/win_rate`, `ci_low`, `ci_high`, `se`, `lc_win_rate`
 (+ CI), `n`, `n_valid`, `n_parse_error`, `n_api_error`, `consistency_rate`, `first_slot_rate` and the
 mean lengths; the judgments table goes in with `log_table`, so it can be browsed and compared in the UI.
+Each warning (position bias, LC not estimable, failures) becomes an MLflow tag `evaluation.warning.<pairing>.<kind>`
+on the evaluate run and the parent run, so runs with untrustworthy numbers can be filtered in the UI.
+
+Task `check_evaluation_inputs` runs first in the pipeline: the judge (template, key, rule), eval prompts and
+references are checked before any training, so a typo fails in seconds rather than after RLOO.
 The judge's API key is read at run time (Prefect Secret block or environment) and is visible to this
 evaluation only while it runs.
 """
@@ -16,6 +21,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
+from rloo_engine.config import ConfigError
 from rloo_engine.evaluation.report import PairingResult
 from tasks import tracking
 from tasks.config import PipelineConfig
@@ -37,6 +43,55 @@ class EvalSummary(BaseModel):
     results_path: str
     judgments_path: str
     mlflow_run_id: str
+
+
+@task(name="check_evaluation_inputs", cache_policy=NO_CACHE)
+def check_evaluation_inputs(cfg: PipelineConfig) -> dict[str, int]:
+    """Checks the judge config, eval prompts and reference data before training; ConfigError names the field."""
+    from rloo_engine.evaluation.runner import check_inputs
+
+    with scoped_env(_judge_secret(cfg)):
+        try:
+            counts = check_inputs(cfg.eval_config(output_dir="<run>/eval"))
+        except ConfigError as err:
+            message = _pipeline_field_names(str(err))
+            raise ConfigError(f"evaluation inputs (checked before training): {message}") from None
+    get_run_logger().info("evaluation inputs: %s", ", ".join(f"{k} {v}" for k, v in counts.items()))
+    return counts
+
+
+# EvalConfig field -> the PipelineConfig field it comes from, so errors name what the user wrote.
+_PIPELINE_FIELDS = {
+    "prompts": "data.eval_prompts",
+    "prompt_column": "data.prompt_column",
+    "reference_column": "data.reference_column",
+    "reference_completions": "data.reference_completions",
+    "judge.": "evaluation.judge.",
+}
+
+
+def _pipeline_field_names(message: str) -> str:
+    for eval_name, pipeline_name in _PIPELINE_FIELDS.items():
+        if message.startswith(eval_name):
+            return pipeline_name + message[len(eval_name) :]
+    return message
+
+
+def warning_tags(warnings: list[str]) -> dict[str, str]:
+    """{`evaluation.warning.<pairing>.<kind>`: message} for MLflow tags (values cut to MLflow's 5000 characters)."""
+    kinds = {
+        "position bias": "position_bias",
+        "length-controlled win rate not estimable": "lc_not_estimable",
+        "length-controlled": "lc_gap",
+        "have no verdict": "failed",
+        "lack a completion": "missing",
+    }
+    tags: dict[str, str] = {}
+    for warning in warnings:
+        pairing, _, text = warning.partition(": ")
+        kind = next((k for marker, k in kinds.items() if marker in text), "other")
+        tags[f"evaluation.warning.{pairing}.{kind}"] = warning[:5000]
+    return tags
 
 
 @task(name="evaluate_win_rate", cache_policy=NO_CACHE)
@@ -86,12 +141,19 @@ def evaluate_win_rate(
             tracking.log_artifact(run, path, "completions")
         for warning in report.warnings:
             logger.warning("evaluation: %s", warning)
+        tags = warning_tags(report.warnings)
+        tags["evaluation.warnings"] = str(len(report.warnings))
+        tracking.set_tags(run, tags)
+        tracking.set_tags(parent, tags)
 
         level = f"{eval_cfg.confidence_level:.0%}"
         rows = [_table_row(name, r.model_dump(), level) for name, r in report.pairings.items()]
         create_table_artifact(key="win-rates", table=rows, description=f"Win rates with {level} CIs, per pairing")
         return EvalSummary(
-            pairings={name: {k: r.model_dump().get(k) for k in PAIRING_METRICS} for name, r in report.pairings.items()},
+            pairings={
+                name: {k: r.model_dump().get(k) for k in (*PAIRING_METRICS, "lc_not_estimable")}
+                for name, r in report.pairings.items()
+            },
             paired_difference=diff,
             warnings=list(report.warnings),
             results_path=str(report.results_path),
@@ -113,7 +175,8 @@ def _table_row(name: str, r: dict, level: str) -> dict[str, str | int | None]:
         "pairing": name,
         "win rate": _pct(r["win_rate"]),
         f"{level} CI": f"[{_pct(r['ci_low'])}, {_pct(r['ci_high'])}]",
-        "LC win rate": _pct(r["lc_win_rate"]),
+        "LC win rate": "not estimable" if r.get("lc_not_estimable") else _pct(r["lc_win_rate"]),
+        "bias-corrected": _pct(r.get("bias_corrected_win_rate")),
         "n": r["n"],
         "parse errors": r["n_parse_error"],
         "api errors": r["n_api_error"],

@@ -35,6 +35,11 @@ SUMMARY_PAIRING_KEYS = (
     "n_parse_error",
     "n_api_error",
     "consistency_rate",
+    "first_slot_rate",
+    "bias_corrected_win_rate",
+    "bias_corrected_ci_low",
+    "bias_corrected_ci_high",
+    "lc_not_estimable",
 )
 
 
@@ -220,15 +225,24 @@ def render_markdown(title: str, s: dict[str, Any]) -> str:
             "",
             "## Win rates",
             "",
-            "| pairing | win rate | CI | LC win rate | n | parse errors | api errors | consistency |",
-            "|---|---|---|---|---|---|---|---|",
+            "| pairing | win rate | CI | LC win rate | bias-corrected | n | parse errors | api errors | consistency "
+            "| first slot |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, r in evaluation.items():
-            lines.append(
-                f"| {name} | {_pct(r['win_rate'])} | [{_pct(r['ci_low'])}, {_pct(r['ci_high'])}] "
-                f"| {_pct(r['lc_win_rate'])} "
-                f"| {r['n']} | {r['n_parse_error']} | {r['n_api_error']} | {_pct(r['consistency_rate'])} |"
+            lc = "not estimable" if r.get("lc_not_estimable") else _pct(r["lc_win_rate"])
+            corrected = (
+                f"{_pct(r.get('bias_corrected_win_rate'))} [{_pct(r.get('bias_corrected_ci_low'))}, "
+                f"{_pct(r.get('bias_corrected_ci_high'))}]"
             )
+            lines.append(
+                f"| {name} | {_pct(r['win_rate'])} | [{_pct(r['ci_low'])}, {_pct(r['ci_high'])}] | {lc} | {corrected} "
+                f"| {r['n']} | {r['n_parse_error']} | {r['n_api_error']} | {_pct(r['consistency_rate'])} "
+                f"| {_pct(r.get('first_slot_rate'))} |"
+            )
+        if warnings := s.get("evaluation_warnings"):
+            # The numbers above can mislead without these (position bias, LC outside the data, failures).
+            lines += ["", "### Evaluation warnings", ""] + [f"- {w}" for w in warnings]
     if promotion := s.get("promotion"):
         verdict = (
             f"registered `{promotion['model_uri']}` (version {promotion['version']})"

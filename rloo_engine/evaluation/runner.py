@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from tqdm.auto import tqdm
 
+from rloo_engine.config import ConfigError
 from rloo_engine.evaluation.budget import Price, SpendTracker
 from rloo_engine.evaluation.cache import JudgmentCache, cache_key
 from rloo_engine.evaluation.checks import (
@@ -57,13 +58,7 @@ def run_evaluation(
     cfg = _apply_overrides(cfg, policy_path, sft_path, output_dir)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    template = load_template(cfg.judge.template) if cfg.judge.backend in ("openai", "hf") else None
-    # Fail on a missing key or an unimportable rule now, not after generating.
-    if cfg.judge.backend == "openai":
-        read_api_key(cfg.judge)
-        import rloo_engine.evaluation.judges.openai_judge  # noqa: F401  (slow import, kept out of judging_s)
-    if cfg.judge.backend == "python":
-        import_function(cfg.judge.function or "")
+    template = check_judge(cfg)  # a missing key or an unimportable rule fails now, not after generating
 
     # 1. prompts and completions of each side
     prompts = load_prompts(
@@ -154,6 +149,48 @@ def run_evaluation(
         )
     write_report(report)
     return report
+
+
+def check_judge(cfg: EvalConfig) -> JudgeTemplate | None:
+    """Loads the judge template, and checks the API key is set / the rule imports; ConfigError otherwise."""
+    template = load_template(cfg.judge.template) if cfg.judge.backend in ("openai", "hf") else None
+    if cfg.judge.backend == "openai":
+        read_api_key(cfg.judge)
+        import rloo_engine.evaluation.judges.openai_judge  # noqa: F401  (slow import, kept out of judging_s)
+    if cfg.judge.backend == "python":
+        import_function(cfg.judge.function or "")
+    return template
+
+
+def check_inputs(cfg: EvalConfig) -> dict[str, int]:
+    """What an evaluation needs besides the models, checked before anything expensive runs (the pipeline calls
+    it before training): the judge (template, key, rule), the prompt set, the references and any completions
+    files (format, duplicates, ids matching the prompts). Returns {side or "prompts": count}; raises ConfigError."""
+    check_judge(cfg)
+    prompts = load_prompts(
+        cfg.prompts,
+        split=cfg.split,
+        prompt_column=cfg.prompt_column,
+        reference_column=cfg.reference_column,
+        max_prompts=cfg.max_prompts,
+    )
+    ids = {ep.prompt_id for ep in prompts}
+    counts = {"prompts": len(prompts)}
+    if cfg.reference_column:
+        counts["reference"] = sum(ep.reference is not None for ep in prompts)
+        if counts["reference"] == 0:
+            raise ConfigError(f"reference_column: {cfg.reference_column!r} is empty in every row of {cfg.prompts}")
+    files = {"reference": cfg.reference_completions, "policy": cfg.policy_completions, "sft": cfg.sft_completions}
+    for side, path in files.items():
+        if path:
+            matching = len(ids & set(load_completions(path)))
+            if matching == 0:
+                raise ConfigError(
+                    f"{side}_completions: no prompt of {path} is in the prompt set {cfg.prompts} (ids are hashes "
+                    "of the prompt text); expected completions of these prompts"
+                )
+            counts[side] = matching
+    return counts
 
 
 def _apply_overrides(

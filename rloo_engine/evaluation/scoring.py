@@ -41,7 +41,9 @@ def summarize_pairing(
 
     resamples, level, seed = cfg.bootstrap_resamples, cfg.confidence_level, cfg.seed
     ci = stats.bootstrap_mean_ci(scores, resamples, level, seed)
-    lc_problem = stats.lc_support_problem(len_a, len_b, cfg.lc_min_overlap, cfg.length_unit) or stats.lc_fit_problem(
+    lc_problem = stats.lc_support_problem(
+        len_a, len_b, cfg.lc_min_overlap, cfg.length_unit, first=model_a
+    ) or stats.lc_fit_problem(
         scores, len_a, len_b
     )
     lc, lc_ci = None, None

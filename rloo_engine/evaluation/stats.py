@@ -158,7 +158,9 @@ def sign_test(scores_first: np.ndarray, scores_second: np.ndarray) -> SignTest:
     return SignTest(plus, minus, int((diff == 0).sum()), p_value)
 
 
-def lc_support_problem(len_a: np.ndarray, len_b: np.ndarray, min_share: float, unit: str) -> str | None:
+def lc_support_problem(
+    len_a: np.ndarray, len_b: np.ndarray, min_share: float, unit: str, first: str = "the first model"
+) -> str | None:
     """Why LC cannot be estimated from these lengths, or None when it can.
 
     LC is the fitted rate at equal length; it is supported by the data only when at least
@@ -176,7 +178,7 @@ def lc_support_problem(len_a: np.ndarray, len_b: np.ndarray, min_share: float, u
     side = "longer" if at_least > at_most else "shorter"
     count = longer if side == "longer" else shorter
     return (
-        f"the first model is {side} on {count} of {n} prompts (length difference {delta.min():+g} to "
+        f"{first} is {side} on {count} of {n} prompts (length difference {delta.min():+g} to "
         f"{delta.max():+g} {unit}); equal length lies outside the data (lc_min_overlap needs {needed} prompts on "
         "each side), so a rate at equal length would be an extrapolation"
     )

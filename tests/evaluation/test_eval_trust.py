@@ -212,3 +212,31 @@ def test_verdict_followed_by_prose_costs_no_reask(fake_server, make_config):
     report = run_evaluation(make_config(server, pairings=["policy_vs_reference"]))
     assert report.pairings["policy_vs_reference"].win_rate == 0.7
     assert server.request_count == 20
+
+
+# ---------------------------------------------------------------- 8. inputs checked before anything expensive
+def test_check_inputs_names_a_missing_rule_prompts_file_or_unmatched_references(tmp_path, eval_files):
+    from rloo_engine.evaluation.runner import check_inputs
+
+    def values(**overrides):
+        v = {
+            "prompts": str(eval_files.prompts),
+            "reference_column": "reference",
+            "judge": {"backend": "python", "function": "tests.evaluation.eval_helpers:prefer_longer"},
+        }
+        v.update(overrides)
+        return EvalConfig.model_validate(v)
+
+    assert check_inputs(values()) == {"prompts": 10, "reference": 10}
+    cases = {
+        "no_such_rule": values(judge={"backend": "python", "function": "tests.evaluation.eval_helpers:no_such_rule"}),
+        "missing.jsonl": values(prompts=str(tmp_path / "missing.jsonl")),
+        "reference_completions": values(
+            reference_column=None,
+            reference_completions=str(write_jsonl(tmp_path / "r.jsonl", [{"prompt": "other", "completion": "x"}])),
+        ),
+    }
+    for expected, cfg in cases.items():
+        with pytest.raises(ConfigError) as err:
+            check_inputs(cfg)
+        assert expected in str(err.value), err.value
