@@ -12,6 +12,12 @@ raw-socket client doing the same 1,000 requests against the same server: the flo
 allows right now (about 1.03-1.06 when idle; 1000 requests take 32 rounds).
 
     python bench/judge_throughput.py [--judgments 1000] [--concurrency 32] [--latency 0.1]
+    python bench/judge_throughput.py --mode batch     # the same judgments through the Batch API path
+
+`--mode batch` sends the judgments as one OpenAI Batch API batch to the fake server's Files and
+Batches endpoints (the batch finishes on the second poll, polls 10 ms apart) and prints the client's
+time per judgment for writing the JSONL file, uploading, polling, downloading and mapping the rows
+back (with a cache write each): the overhead the batch path adds, since a real batch's wait is hours.
 """
 
 from __future__ import annotations
@@ -96,6 +102,7 @@ def main() -> int:
     parser.add_argument("--judgments", type=int, default=1000, help="judgments to make (even: two orders per prompt)")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--latency", type=float, default=0.1, help="server latency per call, seconds")
+    parser.add_argument("--mode", choices=("live", "batch"), default="live", help="judge.mode to measure")
     args = parser.parse_args()
 
     os.environ["RLOO_BENCH_JUDGE_KEY"] = "bench-key"
@@ -115,12 +122,17 @@ def main() -> int:
                         "base_url": f"http://127.0.0.1:{port}/v1",
                         "api_key_env": "RLOO_BENCH_JUDGE_KEY",
                         "max_concurrency": args.concurrency,
+                        "mode": args.mode,
+                        "batch_poll_initial_s": 0.01,
+                        "batch_poll_max_s": 0.01,
                     },
                     "output_dir": str(root / "out"),
                     "progress": False,
                 }
             )
-            baseline = asyncio.run(raw_socket_baseline(port, args.judgments, args.concurrency))
+            baseline = 0.0
+            if args.mode == "live":
+                baseline = asyncio.run(raw_socket_baseline(port, args.judgments, args.concurrency))
             started, cpu_started = time.perf_counter(), time.process_time()
             report = run_evaluation(cfg)
             total, cpu = time.perf_counter() - started, time.process_time() - cpu_started
@@ -134,8 +146,14 @@ def main() -> int:
             f"error: made {made} judgments ({report.usage.requests} requests); expected {args.judgments} without errors"
         )
         return 1
-    ideal = args.judgments * args.latency / args.concurrency
     elapsed = report.timings["judging_s"]
+    if args.mode == "batch":
+        rows = report.judge["batch"]["rows"]
+        print(f"judgments: {made} through the Batch API path: {rows}")
+        print(f"judging elapsed: {elapsed:.3f} s = {1000 * elapsed / made:.2f} ms per judgment (whole run: {total:.3f} s)")
+        print(f"client CPU of run_evaluation: {1000 * cpu / made:.2f} ms per judgment")
+        return 0
+    ideal = args.judgments * args.latency / args.concurrency
     ratio = elapsed / ideal
     print(f"judgments: {made} at concurrency {args.concurrency}, server latency {args.latency * 1000:.0f} ms")
     print(f"judging elapsed: {elapsed:.3f} s   ideal: {ideal:.3f} s   (whole run_evaluation: {total:.3f} s)")
