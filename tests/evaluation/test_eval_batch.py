@@ -7,10 +7,12 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from contextlib import closing
 from pathlib import Path
 
+import openai
 import pytest
 import yaml
 
@@ -123,8 +125,6 @@ def test_a_run_killed_before_it_recorded_the_batch_id_finds_its_batch_by_metadat
         token = db.execute("SELECT token FROM batches").fetchone()[0]
         ids = json.loads(db.execute("SELECT custom_ids FROM batches").fetchone()[0])
     # Create the batch the killed run had created, through the same fake endpoints and with its metadata.
-    import openai
-
     client = openai.OpenAI(base_url=server.base_url, api_key=API_KEY)
     rows = list(server.batch_api.batches.values())[0].rows
     data = "".join(json.dumps(r) + "\n" for r in rows).encode()
@@ -159,3 +159,33 @@ def test_batch_mode_needs_the_openai_backend():
     with pytest.raises(ConfigError) as err:
         build_eval_config({"prompts": "p.jsonl", "judge": {"backend": "python", "function": "m:f", "mode": "batch"}})
     assert "judge.mode" in str(err.value) and "openai" in str(err.value)
+
+
+def test_a_cancelled_batch_counts_its_rows_as_cancelled_and_a_rerun_resubmits_them(fake_server, make_config):
+    server = fake_server("sensible")
+    server.batch_api.hold = True
+    cfg = make_config(server, judge=BATCH, pairings=["policy_vs_reference"])
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            run_evaluation(cfg)
+        except UntrustworthyResultError as err:
+            outcome["report"] = err.report
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.batch_api.batches and time.monotonic() < deadline:
+        time.sleep(0.01)
+    [batch_id] = server.batch_api.batches
+    openai.OpenAI(base_url=server.base_url, api_key=API_KEY).batches.cancel(batch_id)  # e.g. from the dashboard
+    thread.join(timeout=30)
+    rows = outcome["report"].judge["batch"]["rows"]
+    assert rows["rows_cancelled"] == 20 and rows.get("rows_completed", 0) == 0
+    assert all("batch_cancelled" in r["error"] for r in outcome["report"].table())
+
+    server.batch_api.hold = False
+    report = run_evaluation(cfg)
+    assert server.batch_api.batches_created == 2 and _rows_of(server, 1) == 20
+    assert report.pairings["policy_vs_reference"].win_rate == 0.7
