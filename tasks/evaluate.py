@@ -48,7 +48,7 @@ class EvalSummary(BaseModel):
 @task(name="check_evaluation_inputs", cache_policy=NO_CACHE)
 def check_evaluation_inputs(cfg: PipelineConfig) -> dict[str, int]:
     """Checks the judge config, eval prompts and reference data before training; ConfigError names the field."""
-    from rloo_engine.evaluation.runner import check_inputs
+    from rloo_engine.evaluation.preflight import check_inputs
 
     with scoped_env(_judge_secret(cfg)):
         try:

@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 
 from tqdm.auto import tqdm
 
-from rloo_engine.config import ConfigError
 from rloo_engine.evaluation.budget import Price, SpendTracker
 from rloo_engine.evaluation.cache import JudgmentCache, cache_key
 from rloo_engine.evaluation.checks import (
@@ -28,13 +27,13 @@ from rloo_engine.evaluation.checks import (
 )
 from rloo_engine.evaluation.config import PAIRINGS, EvalConfig
 from rloo_engine.evaluation.data import EvalPrompt, load_completions, load_prompts, prompt_text, save_completions
-from rloo_engine.evaluation.judges import build_judge, read_api_key
+from rloo_engine.evaluation.judges import build_judge
 from rloo_engine.evaluation.judges.base import Judgment, SlotPair
-from rloo_engine.evaluation.judges.python_judge import import_function
 from rloo_engine.evaluation.pairings import Order, PairItem, build_items, choose_pairings, combine_orders, winner
+from rloo_engine.evaluation.preflight import check_judge
 from rloo_engine.evaluation.report import EvalReport, Usage, write_report, write_table
 from rloo_engine.evaluation.scoring import JudgedItem, paired_difference, summarize_pairing
-from rloo_engine.evaluation.templates import JudgeTemplate, load_template
+from rloo_engine.evaluation.templates import JudgeTemplate
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -52,7 +51,8 @@ def run_evaluation(
 
     `policy_path` / `sft_path` generate completions from that model, overriding the config's model
     path or completions file for that side. `output_dir` overrides `cfg.output_dir`. Raises
-    ConfigError (bad option or input), JudgeEndpointError (401/403/404) or BudgetExceededError.
+    ConfigError (bad option or input), JudgeEndpointError (401/403/404, unreachable), BudgetExceededError, or
+    EvaluationError / UntrustworthyResultError when the numbers would mislead (see checks.py).
     """
     started = time.perf_counter()
     cfg = _apply_overrides(cfg, policy_path, sft_path, output_dir)
@@ -149,48 +149,6 @@ def run_evaluation(
         )
     write_report(report)
     return report
-
-
-def check_judge(cfg: EvalConfig) -> JudgeTemplate | None:
-    """Loads the judge template, and checks the API key is set / the rule imports; ConfigError otherwise."""
-    template = load_template(cfg.judge.template) if cfg.judge.backend in ("openai", "hf") else None
-    if cfg.judge.backend == "openai":
-        read_api_key(cfg.judge)
-        import rloo_engine.evaluation.judges.openai_judge  # noqa: F401  (slow import, kept out of judging_s)
-    if cfg.judge.backend == "python":
-        import_function(cfg.judge.function or "")
-    return template
-
-
-def check_inputs(cfg: EvalConfig) -> dict[str, int]:
-    """What an evaluation needs besides the models, checked before anything expensive runs (the pipeline calls
-    it before training): the judge (template, key, rule), the prompt set, the references and any completions
-    files (format, duplicates, ids matching the prompts). Returns {side or "prompts": count}; raises ConfigError."""
-    check_judge(cfg)
-    prompts = load_prompts(
-        cfg.prompts,
-        split=cfg.split,
-        prompt_column=cfg.prompt_column,
-        reference_column=cfg.reference_column,
-        max_prompts=cfg.max_prompts,
-    )
-    ids = {ep.prompt_id for ep in prompts}
-    counts = {"prompts": len(prompts)}
-    if cfg.reference_column:
-        counts["reference"] = sum(ep.reference is not None for ep in prompts)
-        if counts["reference"] == 0:
-            raise ConfigError(f"reference_column: {cfg.reference_column!r} is empty in every row of {cfg.prompts}")
-    files = {"reference": cfg.reference_completions, "policy": cfg.policy_completions, "sft": cfg.sft_completions}
-    for side, path in files.items():
-        if path:
-            matching = len(ids & set(load_completions(path)))
-            if matching == 0:
-                raise ConfigError(
-                    f"{side}_completions: no prompt of {path} is in the prompt set {cfg.prompts} (ids are hashes "
-                    "of the prompt text); expected completions of these prompts"
-                )
-            counts[side] = matching
-    return counts
 
 
 def _apply_overrides(

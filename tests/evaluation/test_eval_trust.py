@@ -216,7 +216,7 @@ def test_verdict_followed_by_prose_costs_no_reask(fake_server, make_config):
 
 # ---------------------------------------------------------------- 8. inputs checked before anything expensive
 def test_check_inputs_names_a_missing_rule_prompts_file_or_unmatched_references(tmp_path, eval_files):
-    from rloo_engine.evaluation.runner import check_inputs
+    from rloo_engine.evaluation.preflight import check_inputs
 
     def values(**overrides):
         v = {

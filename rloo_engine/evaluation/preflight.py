@@ -1,0 +1,53 @@
+"""Checks of an evaluation's inputs that take seconds, run before anything expensive (generation, judging, or,
+in the pipeline, RLOO training): the judge, the prompt set, the references and completions files."""
+
+from __future__ import annotations
+
+from rloo_engine.config import ConfigError
+from rloo_engine.evaluation.config import EvalConfig
+from rloo_engine.evaluation.data import load_completions, load_prompts
+from rloo_engine.evaluation.judges import read_api_key
+from rloo_engine.evaluation.judges.python_judge import import_function
+from rloo_engine.evaluation.templates import JudgeTemplate, load_template
+
+
+def check_judge(cfg: EvalConfig) -> JudgeTemplate | None:
+    """Loads the judge template, and checks the API key is set / the rule imports; ConfigError otherwise."""
+    template = load_template(cfg.judge.template) if cfg.judge.backend in ("openai", "hf") else None
+    if cfg.judge.backend == "openai":
+        read_api_key(cfg.judge)
+        import rloo_engine.evaluation.judges.openai_judge  # noqa: F401  (slow import, kept out of judging_s)
+    if cfg.judge.backend == "python":
+        import_function(cfg.judge.function or "")
+    return template
+
+
+def check_inputs(cfg: EvalConfig) -> dict[str, int]:
+    """What an evaluation needs besides the models, checked before anything expensive runs (the pipeline calls
+    it before training): the judge (template, key, rule), the prompt set, the references and any completions
+    files (format, duplicates, ids matching the prompts). Returns {side or "prompts": count}; raises ConfigError."""
+    check_judge(cfg)
+    prompts = load_prompts(
+        cfg.prompts,
+        split=cfg.split,
+        prompt_column=cfg.prompt_column,
+        reference_column=cfg.reference_column,
+        max_prompts=cfg.max_prompts,
+    )
+    ids = {ep.prompt_id for ep in prompts}
+    counts = {"prompts": len(prompts)}
+    if cfg.reference_column:
+        counts["reference"] = sum(ep.reference is not None for ep in prompts)
+        if counts["reference"] == 0:
+            raise ConfigError(f"reference_column: {cfg.reference_column!r} is empty in every row of {cfg.prompts}")
+    files = {"reference": cfg.reference_completions, "policy": cfg.policy_completions, "sft": cfg.sft_completions}
+    for side, path in files.items():
+        if path:
+            matching = len(ids & set(load_completions(path)))
+            if matching == 0:
+                raise ConfigError(
+                    f"{side}_completions: no prompt of {path} is in the prompt set {cfg.prompts} (ids are hashes "
+                    "of the prompt text); expected completions of these prompts"
+                )
+            counts[side] = matching
+    return counts
