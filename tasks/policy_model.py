@@ -64,7 +64,7 @@ def log_policy_model(
             model_config={"return_full_text": False},
             model_card=card,
             pip_requirements=_requirements(),
-            tags=tags,
+            tags={**tags, "mlflow.note.content": description},  # the model page's description
         )
     return info.model_uri
 

@@ -101,6 +101,8 @@ def register_policy(
     parent: RunRef,
 ) -> Promotion:
     """Applies the gate; on a pass registers the final checkpoint and moves the alias (transactionally)."""
+    from mlflow.entities import LoggedModelOutput
+
     logger = get_run_logger()
     gate = tracking_cfg.promotion
     with tracking.stage_run(parent, "register") as run:
@@ -125,6 +127,10 @@ def register_policy(
             describe_model_version(registered, trained, evaluation, sft, parent)
         logger.info("registered %s version %s as @%s", registered.model_name, registered.version, gate.alias)
         tracking.set_tags(parent, {"rloo.registered_version": registered.version})
+        # The pipeline run is what produced the model, so the runs table shows it on the parent row too.
+        tracking.client(parent.tracking_uri).log_outputs(
+            parent.run_id, [LoggedModelOutput(registered.logged_model_id, step=trained.global_step)]
+        )
         return promotion.model_copy(
             update={"registered": True, **registered.model_dump(exclude={"model_name", "alias", "logged_model_id"})}
         )

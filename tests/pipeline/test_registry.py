@@ -151,6 +151,7 @@ def test_a_registered_policy_is_a_transformers_logged_model_that_predicts(servic
         if r.data.tags["rloo.stage"] == "register"
     )
     assert [i.model_id for i in client.get_run(register_run.info.run_id).inputs.model_inputs] == [model_id]
+    assert [o.model_id for o in client.get_run(parent_run_id).outputs.model_outputs] == [model_id]
 
     # Served like MLflow serves it: the transformers flavor's pyfunc, from the registry alias.
     monkeypatch.setenv("MLFLOW_TRACKING_URI", services.mlflow_uri)
