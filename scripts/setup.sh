@@ -28,6 +28,29 @@ if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
     quiet "${pip[@]}" install "${index[@]}" "torch==2.13.0"
   fi
 fi
-echo "setup: installing rloo-pipeline[$extras]"
-PYTHONWARNINGS=ignore quiet "${pip[@]}" install -e ".[$extras]"  # setuptools notes every editable build
+# The project install takes ~30 s even when nothing changed, so it is skipped when the venv was set up
+# from this very pyproject.toml with these extras, and still imports this checkout (not a moved copy).
+stamp="$venv/.rloo-setup-stamp"
+want="$("$venv/bin/python" - "$extras" <<'PY'
+import hashlib, sys
+print(hashlib.sha256(open("pyproject.toml", "rb").read() + b"\0" + sys.argv[1].encode()).hexdigest(), sys.argv[1])
+PY
+)"
+installed_here() {
+  "$venv/bin/python" -c 'import os, sys, rloo_engine; sys.exit(os.path.dirname(os.path.dirname(os.path.realpath(rloo_engine.__file__))) != os.path.realpath(os.getcwd()))' 2>/dev/null
+}
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && installed_here; then
+  echo "setup: $venv already has rloo-pipeline[$extras] for this pyproject.toml; skipping the install (rm $stamp to force)"
+else
+  echo "setup: installing rloo-pipeline[$extras]"
+  rm -f "$stamp"
+  if [[ ",$extras," == *",dev,"* || ",$extras," == *",deepspeed,"* ]]; then
+    # Before the project, so its `deepspeed` extra is already met: DeepSpeed's build imports the installed
+    # torch, so it cannot use pip's isolated build environment. The tests run ZeRO-2/3 for real on CPU.
+    echo "setup: installing deepspeed (--no-build-isolation)"
+    quiet "${pip[@]}" install --no-build-isolation "deepspeed>=0.16"
+  fi
+  PYTHONWARNINGS=ignore quiet "${pip[@]}" install -e ".[$extras]"  # setuptools notes every editable build
+  echo "$want" > "$stamp"
+fi
 echo "setup: done ($("$venv/bin/python" -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")'))"
