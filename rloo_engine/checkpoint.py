@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from accelerate import Accelerator
@@ -90,6 +90,29 @@ def load_model_weights(model: torch.nn.Module, ckpt_dir: Path) -> None:
     model.tie_weights()
 
 
+def full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's weights on rank 0 (collective: every process must call it), tied copies dropped.
+
+    DeepSpeed hands back clones, so tied weights (lm_head = embed_tokens) no longer share storage and
+    `save_pretrained` would write the embedding twice; the model's own parameter aliasing says which go.
+    """
+    state_dict = accelerator.get_state_dict(model) or {}  # ZeRO-3 returns None off rank 0
+    for name in _tied_aliases(accelerator.unwrap_model(model)):
+        state_dict.pop(name, None)
+    return state_dict
+
+
+def _tied_aliases(model: torch.nn.Module) -> set[str]:
+    """Names of parameters that are another parameter under a second name (e.g. a tied lm_head)."""
+    seen: set[int] = set()
+    aliases = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            aliases.add(name)
+        seen.add(id(param))
+    return aliases
+
+
 def _fsync_tree(root: Path) -> None:
     for dirpath, _, files in os.walk(root):
         for name in files:
@@ -121,7 +144,7 @@ def save_checkpoint(
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp / "accelerate"))
     torch.save(rank_state, tmp / f"rank{accelerator.process_index}.pt")
-    state_dict = accelerator.get_state_dict(model)  # collective under DeepSpeed ZeRO-3 (gathers shards)
+    state_dict = full_state_dict(accelerator, model)
     if accelerator.is_main_process:
         accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
@@ -161,19 +184,31 @@ def load_checkpoint(accelerator: Accelerator, path: Path) -> tuple[dict[str, Any
     return trainer_state, torch.load(rank_file, weights_only=False)
 
 
-def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer, output_dir: str | Path) -> Path:
-    """Writes `output_dir/final` (HF format; LoRA adapters merged so it loads as a plain causal LM)."""
+def save_final(
+    accelerator: Accelerator, model: torch.nn.Module, tokenizer, output_dir: str | Path,
+    fresh_policy: Callable[[], torch.nn.Module],
+) -> Path:
+    """Writes `output_dir/final` in HF format, loadable as a plain causal LM; every process must call it.
+
+    The weights come from `full_state_dict`, which gathers ZeRO-3 shards onto rank 0.
+    Under LoRA they are loaded into `fresh_policy()` (a whole, unsharded copy of the base with the
+    same adapters) and the adapters merged there: a ZeRO-3 model's own parameters are empty shards.
+    """
     final = Path(output_dir) / "final"
     accelerator.wait_for_everyone()
+    state_dict = full_state_dict(accelerator, model)
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
-        if hasattr(unwrapped, "merge_and_unload"):
-            import copy
-
-            unwrapped = copy.deepcopy(unwrapped).merge_and_unload()
+        if hasattr(unwrapped, "peft_config"):
+            merged = fresh_policy()
+            missing, unexpected = merged.load_state_dict(state_dict, strict=False)
+            if unexpected or set(missing) - _tied_aliases(merged):
+                raise RuntimeError(f"final: gathered weights do not fit a fresh policy (missing {missing}, "
+                                   f"unexpected {unexpected})")
+            unwrapped, state_dict = merged.merge_and_unload(), None
         tmp = final.with_name(".tmp-final")
         shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped.save_pretrained(tmp)
+        unwrapped.save_pretrained(tmp, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
         _fsync_tree(tmp)
         shutil.rmtree(final, ignore_errors=True)

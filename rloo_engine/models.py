@@ -96,16 +96,3 @@ def sync_reference(policy: torch.nn.Module, ref: torch.nn.Module, alpha: float) 
     """TR-DPO reference update: ref <- alpha * policy + (1 - alpha) * ref, parameter by parameter."""
     for p_ref, p_pol in zip(ref.parameters(), policy.parameters()):
         p_ref.mul_(1 - alpha).add_(p_pol.detach().to(p_ref.dtype), alpha=alpha)
-
-
-def generation_context(accelerator, model: torch.nn.Module):
-    """Context for sampling from `model`: under DeepSpeed ZeRO-3 the sharded weights are gathered first.
-
-    deepspeed is imported only on that path, so it stays an optional extra.
-    """
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is None or getattr(plugin, "zero_stage", 0) != 3:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(list(model.parameters()))

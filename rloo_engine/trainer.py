@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -26,12 +25,14 @@ from rloo_engine import algorithm as A
 from rloo_engine import checkpoint as ckpt
 from rloo_engine.config import RLOOConfig, save_config
 from rloo_engine.data import PromptSampler, extra_columns, load_prompt_dataset, render_prompt
+from rloo_engine.distributed import (
+    build_accelerator, fill_deepspeed_config, full_weights_for_generation, global_grad_norm, outside_zero_init,
+    prepare_frozen_model,
+)
 from rloo_engine.generation import GenerationBackend, HFGenerationBackend, SamplingParams
 from rloo_engine.metrics import MetricsLogger
-from rloo_engine.models import (
-    generation_context, load_policy, load_reference, load_tokenizer, reference_context, sync_reference,
-)
-from rloo_engine.rewards import build_reward_sources, compute_rewards
+from rloo_engine.models import load_policy, load_reference, load_tokenizer, reference_context, sync_reference
+from rloo_engine.rewards import RewardModelSource, build_reward_sources, compute_rewards
 from rloo_engine.rollout import (
     GenerationBatch,
     batched_token_logps,
@@ -54,10 +55,7 @@ class TrainResult:
 class RLOOTrainer:
     def __init__(self, cfg: RLOOConfig, backend: GenerationBackend | None = None):
         self.cfg = cfg
-        precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "no"
-        # Without an accelerator, `cpu=True` lets a torchrun-style launch form a gloo process group (MULTI_CPU).
-        self.acc = Accelerator(gradient_accumulation_steps=cfg.gradient_accumulation_steps, mixed_precision=precision,
-                               cpu=not torch.accelerator.is_available())
+        self.acc = build_accelerator(cfg)
         self.steps_per_generation = cfg.steps_per_generation_for(self.acc.num_processes)
         self.on_policy = cfg.num_iterations == 1 and cfg.gradient_accumulation_steps % self.steps_per_generation == 0
         set_seed(cfg.seed)
@@ -75,11 +73,15 @@ class RLOOTrainer:
         warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * self.total_steps)
         # Not passed to accelerate.prepare: its wrapper steps num_processes times per call.
         self.scheduler = get_scheduler(cfg.lr_scheduler_type, self.optimizer, warmup, self.total_steps)
+        fill_deepspeed_config(self.acc, cfg)
         self.policy, self.optimizer = self.acc.prepare(self.policy, self.optimizer)
         self.acc.register_for_checkpointing(self.scheduler)
         ckpt.install_state_hooks(self.acc, self.policy)
         if self.ref is not None:
-            self.ref = self.ref.to(self.acc.device)
+            self.ref = prepare_frozen_model(self.acc, self.ref)
+        for source in self.reward_sources:
+            if isinstance(source, RewardModelSource):
+                source.model = prepare_frozen_model(self.acc, source.model)
         set_seed(cfg.seed, device_specific=True)  # weights are identical everywhere; sampling noise must not be
         self.backend = backend or self._default_backend()
         self.sampler = PromptSampler(len(self.dataset), cfg.seed, cfg.shuffle_dataset,
@@ -107,7 +109,7 @@ class RLOOTrainer:
                                        self.cfg.vllm_gpu_memory_utilization, self.cfg.vllm_tensor_parallel_size,
                                        self.cfg.seed + self.acc.process_index, self.cfg.dtype)
         return HFGenerationBackend(lambda: self.acc.unwrap_model(self.policy), self.tokenizer, self._sampling_params(),
-                                   gather=lambda: generation_context(self.acc, self.policy))
+                                   gather=lambda: full_weights_for_generation(self.acc, self.policy))
 
     def _total_steps(self) -> int:
         if self.cfg.max_steps > 0:
@@ -124,7 +126,7 @@ class RLOOTrainer:
         start = time.perf_counter()
         yield
         sync()
-        self.window[f"timing/{name}"].append(time.perf_counter() - start)
+        self.window[f"timing/{name}_s"].append(time.perf_counter() - start)
 
     # ------------------------------------------------------------------ one generation batch
     @torch.no_grad()
@@ -240,10 +242,10 @@ class RLOOTrainer:
             with self._timed("policy_update"), self.acc.accumulate(self.policy):
                 loss = self.loss(mb)
                 self.acc.backward(loss)
-                if self.acc.sync_gradients and c.max_grad_norm:
-                    norm = self.acc.clip_grad_norm_(self.policy.parameters(), c.max_grad_norm)
-                    if norm is not None:  # DeepSpeed clips inside its engine and reports nothing here
-                        self.window["grad_norm"].append(float(norm))
+                if self.acc.sync_gradients:
+                    norm = global_grad_norm(self.acc, self.policy, c.max_grad_norm)
+                    if norm is not None:
+                        self.window["grad_norm"].append(norm)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             if not self.acc.sync_gradients:
@@ -253,6 +255,8 @@ class RLOOTrainer:
             self.scheduler.step()
             self.global_step += 1
             self.window["step_time"].append(time.perf_counter() - step_start)
+            if self.acc.device.type == "cuda":
+                self.window["memory/max_allocated_gib"].append(torch.cuda.max_memory_allocated() / 2**30)
             if c.sync_ref_model and self.ref is not None and self.global_step % c.ref_model_sync_steps == 0:
                 sync_reference(self.acc.unwrap_model(self.policy), self.ref, c.ref_model_mixup_alpha)
             if self.global_step % c.logging_steps == 0 or self.global_step == self.total_steps:
@@ -267,7 +271,7 @@ class RLOOTrainer:
                 sys.exit(3)
             step_start = time.perf_counter()  # after logging and saving, so they are not billed to the next step
         bar.close()
-        final = ckpt.save_final(self.acc, self.policy, self.tokenizer, out)
+        final = ckpt.save_final(self.acc, self.policy, self.tokenizer, out, self._fresh_policy)
         self._finish_logging(out)
         return TrainResult(self.global_step, final, self.logger.path, last)
 
@@ -306,6 +310,11 @@ class RLOOTrainer:
     def _trainer_state(self) -> dict:
         return {"global_step": self.global_step, "sampler": self.sampler.state_dict(), "cursor": self.cursor,
                 "total_steps": self.total_steps, "num_processes": self.acc.num_processes}
+
+    def _fresh_policy(self) -> torch.nn.Module:
+        """A whole copy of the initial policy (LoRA-wrapped like it), loaded outside ZeRO-3's partitioning."""
+        with outside_zero_init(self.acc):
+            return load_policy(self.cfg)
 
     def _save(self) -> None:
         rank_state = {"batch": self.batch.state_dict() if self.batch is not None else None, "cursor": self.cursor,

@@ -1,19 +1,27 @@
-"""Run under `accelerate launch`: trains from a YAML config, then each rank writes a digest of its parameters."""
+"""Run under `accelerate launch`: trains from flags, then each rank writes a digest of its parameters and its view of the ranks."""
 
 import hashlib
 import json
 import sys
 from pathlib import Path
 
+import torch
+
 from rloo_engine.cli import parse_train_args
 from rloo_engine.trainer import RLOOTrainer
 
 trainer = RLOOTrainer(parse_train_args(sys.argv[1:]))
 trainer.train()
+acc = trainer.acc
 digest = hashlib.sha256()
-for _, p in sorted(trainer.acc.unwrap_model(trainer.policy).named_parameters()):
+for _, p in sorted(acc.unwrap_model(trainer.policy).named_parameters()):
     digest.update(p.detach().cpu().float().numpy().tobytes())
-rank = trainer.acc.process_index
+rank = acc.process_index
 out = Path(trainer.cfg.output_dir) / f"digest-rank{rank}.json"
-out.write_text(json.dumps({"rank": rank, "digest": digest.hexdigest(), "step": trainer.global_step,
-                           "prompts_seen": trainer.sampler.state_dict()}))
+out.write_text(json.dumps({
+    "rank": rank, "num_processes": acc.num_processes, "is_main_process": acc.is_main_process,
+    "distributed_type": acc.distributed_type.value,
+    "dist_rank": torch.distributed.get_rank() if torch.distributed.is_initialized() else None,
+    "dist_world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else None,
+    "digest": digest.hexdigest(), "step": trainer.global_step, "prompts_seen": trainer.sampler.state_dict(),
+}))

@@ -1,0 +1,204 @@
+"""The process group and launch profile: builds the Accelerator, refuses a profile it cannot honour, prepares frozen models.
+
+The launch profile (`accelerate launch --config_file ...`) reaches the engine as environment
+variables. accelerate 1.15 has two traps on machines without CUDA, both handled here:
+- `Accelerator(cpu=True)` silently turns a DeepSpeed profile into plain DDP (`MULTI_CPU`);
+- without `cpu=True` it finds no process-group backend, so every rank reports `process_index 0`
+  and `num_processes 1` even though DeepSpeed has formed a real gloo group.
+So under DeepSpeed without an accelerator we pass `backend="gloo"` explicitly, and we check that
+accelerate's view of the ranks matches torch.distributed before any work starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
+
+from rloo_engine.config import ConfigError, RLOOConfig
+
+
+class LaunchError(ConfigError):
+    """The launch profile cannot run as asked; the message names the profile and what to change."""
+
+
+def requested_profile() -> str:
+    """What the launcher asked for, from accelerate's environment: `deepspeed-zero<N>`, `fsdp` or `ddp`."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        return f"deepspeed-zero{os.environ.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '2')}"
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return "fsdp"
+    return "ddp"
+
+
+def build_accelerator(cfg: RLOOConfig) -> Accelerator:
+    """The Accelerator for this launch; raises LaunchError rather than run another profile than asked."""
+    profile = requested_profile()
+    has_device = torch.accelerator.is_available()
+    precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "no"
+    kwargs = dict(gradient_accumulation_steps=cfg.gradient_accumulation_steps, mixed_precision=precision)
+    if profile == "fsdp":
+        raise LaunchError("launch profile: FSDP is not supported by rloo-engine; use a deepspeed_zero2/3 profile")
+    if profile.startswith("deepspeed"):
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            raise LaunchError(f"launch profile {profile}: deepspeed is not installed; "
+                              "pip install 'rloo-pipeline[deepspeed]'") from None
+        if not has_device:
+            if cfg.fp16:
+                raise LaunchError(f"launch profile {profile}: fp16 needs a GPU (DeepSpeed's CPU accelerator has no "
+                                  "fp16 loss scaling); use bf16: true or a GPU node")
+            # Without a device accelerate finds no backend and reports one process per rank; gloo fixes both.
+            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+        acc = Accelerator(**kwargs)
+    else:
+        # Without an accelerator, `cpu=True` lets a torchrun-style launch form a gloo process group (MULTI_CPU).
+        acc = Accelerator(**kwargs, cpu=not has_device)
+    check_launch(acc, profile)
+    return acc
+
+
+def check_launch(acc: Accelerator, profile: str) -> None:
+    """Fails when accelerate's ranks disagree with torch.distributed, or when it runs another profile."""
+    if profile.startswith("deepspeed") and acc.distributed_type != DistributedType.DEEPSPEED:
+        raise LaunchError(f"launch profile {profile}: accelerate set up {acc.distributed_type.value} instead of "
+                          "DEEPSPEED; refusing to train under a different profile than the one launched")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        if (acc.num_processes, acc.process_index) != (world, rank):
+            raise LaunchError(
+                f"launch profile {profile}: accelerate reports process {acc.process_index} of {acc.num_processes}, "
+                f"torch.distributed rank {rank} of {world}; every rank would act as the main process"
+            )
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise LaunchError(f"launch profile {profile}: WORLD_SIZE={os.environ['WORLD_SIZE']} but no process group "
+                          "was formed; launch with `accelerate launch --multi_gpu` or a deepspeed profile")
+
+
+def is_deepspeed(acc: Accelerator) -> bool:
+    return acc.distributed_type == DistributedType.DEEPSPEED
+
+
+def zero_stage(acc: Accelerator) -> int:
+    """DeepSpeed's ZeRO stage (0 when not under DeepSpeed)."""
+    plugin = getattr(acc.state, "deepspeed_plugin", None)
+    return int(plugin.zero_stage or 0) if is_deepspeed(acc) and plugin is not None else 0
+
+
+_DS_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")
+
+
+def fill_deepspeed_config(acc: Accelerator, cfg: RLOOConfig) -> None:
+    """Fills DeepSpeed's batch settings from the engine config (before `prepare`), so `auto` profiles start as they are.
+
+    The engine feeds micro-batches itself (no DataLoader goes through `prepare`), so accelerate cannot
+    infer them. A value set explicitly in a DeepSpeed config file must agree with the engine's.
+    """
+    if not is_deepspeed(acc):
+        return
+    ds = acc.state.deepspeed_plugin.deepspeed_config
+    wanted = {
+        "train_micro_batch_size_per_gpu": cfg.per_device_train_batch_size,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "gradient_clipping": float(cfg.max_grad_norm or 0.0),
+    }
+    for key in _DS_BATCH_KEYS:
+        value = ds.get(key, "auto")
+        if value == "auto":
+            ds[key] = wanted[key]
+        elif float(value) != float(wanted[key]):
+            field = {"train_micro_batch_size_per_gpu": "per_device_train_batch_size",
+                     "gradient_clipping": "max_grad_norm"}.get(key, key)
+            raise LaunchError(f"deepspeed config: {key}={value} disagrees with {field}={wanted[key]}; "
+                              f"set it to 'auto' in the DeepSpeed config (the engine fills it)")
+    ds["train_batch_size"] = (cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+                              * acc.num_processes)
+    if ds["zero_optimization"].get("stage") == 3:
+        # HF-format checkpoints and `final/` need the full weights gathered on save.
+        ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+
+
+def prepare_frozen_model(acc: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """A no-grad model (reference or reward) placed for this launch; returns the module to call.
+
+    Under ZeRO-3 it becomes a DeepSpeed inference engine (stage 3, no optimizer): it was partitioned
+    as it loaded (zero.Init), and the engine gathers each layer's shards for its forward, so a frozen
+    model that does not fit one GPU still works. Under ZeRO-2 (stage 0 inference) it is kept whole on
+    each device, cast to the training precision, as TRL does. Elsewhere it is just moved to the device.
+    Every rank must call its forward the same number of times under ZeRO-3 (the gathers are collective).
+    """
+    model.requires_grad_(False)
+    if not is_deepspeed(acc):
+        return model.to(acc.device).eval()
+    import deepspeed
+
+    ds = copy.deepcopy(acc.state.deepspeed_plugin.deepspeed_config)
+    for key in ("optimizer", "scheduler"):
+        ds.pop(key, None)
+    if ds["zero_optimization"]["stage"] != 3:
+        ds["zero_optimization"] = {"stage": 0}
+    else:
+        hidden = getattr(model.config, "hidden_size", None)
+        if hidden:
+            ds["zero_optimization"].update({
+                "reduce_bucket_size": hidden * hidden,
+                "stage3_param_persistence_threshold": 10 * hidden,
+                "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            })
+    engine, *_ = deepspeed.initialize(model=model, config=ds)
+    engine.eval()
+    return engine  # forwards attribute access (config, score, ...) to its module
+
+
+def full_weights_for_generation(acc: Accelerator, model: torch.nn.Module):
+    """Context in which the prepared policy's full weights exist on every rank, for sampling; a no-op off ZeRO-3.
+
+    Under ZeRO-3 the shards are gathered once and the engine's per-layer hooks are detached for the
+    duration: left in place, they re-partition each layer after its forward, so every decoding step
+    would all-gather again and ranks that stop generating at different lengths would deadlock.
+    deepspeed is imported only on that path, so it stays an optional extra.
+    """
+    if zero_stage(acc) != 3:
+        return contextlib.nullcontext()
+    from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+    return unwrap_model_for_generation(model)
+
+
+@contextlib.contextmanager
+def outside_zero_init(acc: Accelerator):
+    """Context in which `from_pretrained` loads whole weights even under ZeRO-3 (no zero.Init partitioning).
+
+    transformers partitions at load time whenever its global DeepSpeed config says stage 3; accelerate's
+    own `zero3_init_context_manager` leaves that global set, so it is cleared and restored here.
+    """
+    if zero_stage(acc) != 3:
+        yield
+        return
+    from transformers.integrations import deepspeed as hf_ds
+
+    previous = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = previous
+
+
+def global_grad_norm(acc: Accelerator, model: torch.nn.Module, max_norm: float | None) -> float | None:
+    """Clips gradients (outside DeepSpeed) and returns the global pre-clip norm, as TRL logs `grad_norm`.
+
+    DeepSpeed clips inside its engine step (`gradient_clipping`) and keeps the norm it computed.
+    """
+    if is_deepspeed(acc):
+        norm = model.get_global_grad_norm()
+        return None if norm is None else float(norm)
+    if not max_norm:
+        return None
+    norm = acc.clip_grad_norm_(model.parameters(), max_norm)
+    return None if norm is None else float(norm)
