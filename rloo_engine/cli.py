@@ -129,7 +129,7 @@ def outputs_report(result, cfg: RLOOConfig) -> str:
         f"  final model   {result.final_dir or 'not saved'}",
         f"  metrics       {result.metrics_path}",
         f"  checkpoints   {', '.join(p.name for p in checkpoints) if checkpoints else 'none kept'}"
-        + (f" (resume with --resume_from_checkpoint latest)" if checkpoints else ""),
+        + (" (resume with --resume_from_checkpoint latest)" if checkpoints else ""),
         f"  completions   {out / 'completions.jsonl'}",
     ]
     tracking_uri, run_id = os.environ.get("MLFLOW_TRACKING_URI"), os.environ.get("MLFLOW_RUN_ID")

@@ -53,8 +53,16 @@ def test_on_demand_run_is_tracked_and_registered_when_the_gate_passes(deployed):
     assert "policy_vs_sft" in artifacts["rlhf-summary"].data and parent.info.run_id in artifacts["rlhf-summary"].data
     assert artifacts["win-rates"].type == "table"
 
+    # The version is registered from the train run's LoggedModel, which the register run used.
     version = client.get_model_version_by_alias("tiny-policy-pass", "candidate")
-    assert version.run_id == runs["register"].info.run_id
+    assert version.run_id == runs["train"].info.run_id and version.source.startswith("models:/m-")
+    model_id = version.source.removeprefix("models:/")
+    assert [i.model_id for i in client.get_run(runs["register"].info.run_id).inputs.model_inputs] == [model_id]
+    # The prompt sets are dataset inputs of the runs that read them.
+    datasets = {s: {d.dataset.name for d in client.get_run(r.info.run_id).inputs.dataset_inputs} for s, r in runs.items()}
+    assert datasets["train"] == {"train_prompts"} and datasets["evaluate"] == {"eval_prompts"}
+    assert {d.dataset.name for d in client.get_run(parent.info.run_id).inputs.dataset_inputs} == {
+        "train_prompts", "eval_prompts"}
     assert version.tags["sft_digest"] == parent.data.tags["rloo.sft_digest"]
 
 
