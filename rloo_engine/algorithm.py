@@ -17,8 +17,10 @@ def token_log_probs(
     logits: (B, T, V), position t predicts tokens[:, t]; tokens: (B, T) int64.
     Returns (logps: (B, T) float32, entropy: (B, T) float32 or None).
 
-    Works one sequence at a time so that only one (T, V) float32 slice exists beside the
-    logits, never a second full (B, T, V) copy: at 150k vocab that copy dominates memory.
+    Works one sequence at a time. Without gradient (reference and old log-probs) only one (T, V)
+    float32 slice exists beside the logits at a time. With gradient, autograd saves every row's
+    float32 scaled slice for the backward pass, so a (B, T, V) float32 copy does exist then (beside
+    bf16 logits, twice their size): at 150k vocab it dominates the update's memory.
     Entropy is a metric only, so it is computed without gradient.
     """
     logps, entropies = [], []
@@ -70,12 +72,26 @@ def leave_one_out_advantages(rewards: torch.Tensor, num_generations: int, valid:
     return advantages.view(-1)
 
 
-def normalize_advantages(advantages: torch.Tensor, valid: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
-    """Divide by the standard deviation over rows that carry signal. advantages, valid: (N,) -> (N,)."""
-    live = valid & (advantages != 0)
-    if live.sum() < 2:
+def normalize_advantages(
+    advantages: torch.Tensor,
+    valid: torch.Tensor,
+    pooled_advantages: torch.Tensor | None = None,
+    pooled_valid: torch.Tensor | None = None,
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """(A - mean) / (std + eps), mean and std over the valid rows of the pool; invalid rows stay 0.
+
+    advantages, valid: (N,) this process's rows. pooled_*: (M,) the rows the statistics come from,
+    e.g. every process's batch gathered (TRL normalises over the whole gathered batch); default: these.
+    Returns (N,).
+    """
+    if pooled_advantages is None:
+        pooled_advantages, pooled_valid = advantages, valid
+    pool = pooled_advantages[pooled_valid]
+    if pool.numel() < 2:
         return advantages
-    return advantages / (advantages[live].std() + eps)
+    normalized = (advantages - pool.mean()) / (pool.std() + eps)
+    return torch.where(valid, normalized, torch.zeros_like(advantages))
 
 
 def clipped_sequence_loss(
@@ -85,11 +101,15 @@ def clipped_sequence_loss(
     epsilon_low: float,
     epsilon_high: float,
     weights: torch.Tensor | None = None,
+    normalizer: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-mean_i min(rho_i A_i, clip(rho_i, 1 - eps_low, 1 + eps_high) A_i) with rho_i = pi_theta / pi_old per sequence.
+    """-sum_i w_i min(rho_i A_i, clip(rho_i, 1 - eps_low, 1 + eps_high) A_i) / normalizer, rho_i = pi_theta / pi_old.
 
     seq_logps: (B,) with gradient; old_seq_logps, advantages: (B,) without.
     weights: (B,) 1 for sequences in the loss, 0 for excluded ones (e.g. masked truncations).
+    normalizer: what the weighted sum is divided by; None = this micro-batch's weight sum (a mean over
+    its live rows). The trainer passes the live rows per micro-batch averaged over the whole batch, so
+    a row whose neighbours were masked does not weigh more than any other row of the optimizer step.
     Returns (loss: scalar, ratio: (B,) detached). On-policy old == current, so rho = 1 and the
     gradient is plain REINFORCE with the leave-one-out baseline.
     """
@@ -98,7 +118,8 @@ def clipped_sequence_loss(
     objective = torch.minimum(ratio * advantages, clipped * advantages)
     if weights is None:
         weights = torch.ones_like(objective)
-    loss = -(objective * weights).sum() / weights.sum().clamp(min=1)
+    denominator = weights.sum().clamp(min=1) if normalizer is None else normalizer
+    loss = -(objective * weights).sum() / denominator
     return loss, ratio.detach()
 
 

@@ -149,6 +149,16 @@ def is_conversational(prompt: Any) -> bool:
     )
 
 
+def as_assistant_messages(completion: str) -> list[dict]:
+    """A completion in TRL's conversational form: `[{"role": "assistant", "content": completion}]`."""
+    return [{"role": "assistant", "content": completion}]
+
+
+def completion_text(completion: str | list[dict]) -> str:
+    """The text of a completion given as a string or as TRL's assistant messages."""
+    return completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
+
+
 def render_prompt(tokenizer: Any, prompt: str | list[dict], chat_template_kwargs: dict | None = None) -> str:
     """The text the policy continues: a string prompt as is, messages through the chat template."""
     if isinstance(prompt, str):

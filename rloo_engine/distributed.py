@@ -171,6 +171,23 @@ def full_weights_for_generation(acc: Accelerator, model: torch.nn.Module):
 
 
 @contextlib.contextmanager
+def gathered_for_update(acc: Accelerator, source: torch.nn.Module, target: torch.nn.Module):
+    """Context in which `target`'s full weights may be changed from `source`'s (reference sync); a no-op off ZeRO-3.
+
+    Under ZeRO-3 both are gathered on every rank; each rank computes the same update, and rank 0's
+    result is re-partitioned into `target`'s shards on exit.
+    """
+    if zero_stage(acc) != 3:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(source.parameters())), \
+            deepspeed.zero.GatheredParameters(list(target.parameters()), modifier_rank=0):
+        yield
+
+
+@contextlib.contextmanager
 def outside_zero_init(acc: Accelerator):
     """Context in which `from_pretrained` loads whole weights even under ZeRO-3 (no zero.Init partitioning).
 

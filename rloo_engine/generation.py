@@ -40,11 +40,16 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     max_prompt_length: int | None = None
     extra: dict[str, Any] | None = None
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends a completion (see models.eos_token_ids)
 
 
 class GenerationBackend(Protocol):
-    def generate(self, prompts: list[str], num_generations: int) -> Rollout:
-        """Samples `num_generations` completions for each rendered prompt string."""
+    def generate(self, prompts: list[str], num_generations: int, add_special_tokens: bool = False) -> Rollout:
+        """Samples `num_generations` completions for each rendered prompt string.
+
+        `add_special_tokens`: tokenize with the tokenizer's special tokens (e.g. BOS), as plain-text
+        prompts need; prompts rendered by a chat template already contain them.
+        """
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Makes the backend sample from `model`'s current weights (no-op when it samples from `model` itself)."""
@@ -64,6 +69,7 @@ class HFGenerationBackend:
         self.tokenizer = tokenizer
         self.params = params
         self.shared_prefill = shared_prefill
+        self.eos_ids = params.eos_token_ids or (tokenizer.eos_token_id,)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         return None
@@ -78,7 +84,7 @@ class HFGenerationBackend:
             top_k=p.top_k or 0,
             repetition_penalty=p.repetition_penalty,
             pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_id=list(self.eos_ids),
             num_return_sequences=num_return_sequences,
         )
         if p.min_p:
@@ -86,20 +92,21 @@ class HFGenerationBackend:
         kwargs.update(p.extra or {})
         return kwargs
 
-    def tokenize_prompts(self, prompts: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def tokenize_prompts(self, prompts: list[str], device: torch.device,
+                         add_special_tokens: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-pads and left-truncates prompts (the end of a prompt is what the completion continues)."""
         tok = self.tokenizer
         tok.padding_side, tok.truncation_side = "left", "left"
         max_len = self.params.max_prompt_length
         enc = tok(prompts, return_tensors="pt", padding=True, truncation=max_len is not None,
-                  max_length=max_len, add_special_tokens=False)
+                  max_length=max_len, add_special_tokens=add_special_tokens)
         return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], num_generations: int) -> Rollout:
+    def generate(self, prompts: list[str], num_generations: int, add_special_tokens: bool = False) -> Rollout:
         model = self.model_getter()
         device = next(model.parameters()).device
-        prompt_ids, prompt_mask = self.tokenize_prompts(prompts, device)
+        prompt_ids, prompt_mask = self.tokenize_prompts(prompts, device, add_special_tokens)
         was_training = model.training
         model.eval()
         try:
@@ -114,7 +121,7 @@ class HFGenerationBackend:
         prompt_ids = prompt_ids.repeat_interleave(num_generations, 0)
         prompt_mask = prompt_mask.repeat_interleave(num_generations, 0)
         completion_ids = sequences[:, prompt_ids.size(1):]
-        mask, terminated = completion_mask(completion_ids, self.tokenizer.eos_token_id)
+        mask, terminated = completion_mask(completion_ids, list(self.eos_ids))
         completion_ids = torch.where(mask.bool(), completion_ids, torch.full_like(completion_ids, self.tokenizer.pad_token_id))
         return Rollout(prompt_ids, prompt_mask, completion_ids, mask, terminated)
 

@@ -29,6 +29,7 @@ class VLLMColocateBackend:
                  tensor_parallel_size: int = 1, seed: int = 0, dtype: str = "auto"):
         vllm = _import_vllm()
         self.vllm, self.tokenizer, self.params = vllm, tokenizer, params
+        self.eos_ids = list(params.eos_token_ids or (tokenizer.eos_token_id,))
         max_len = (params.max_prompt_length or 2048) + params.max_completion_length
         self.llm = vllm.LLM(model=model_path, gpu_memory_utilization=gpu_memory_utilization,
                             tensor_parallel_size=tensor_parallel_size, seed=seed, dtype=dtype,
@@ -38,21 +39,22 @@ class VLLMColocateBackend:
         p = self.params
         kwargs: dict[str, Any] = dict(n=n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or -1,
                                       min_p=p.min_p or 0.0, repetition_penalty=p.repetition_penalty,
-                                      max_tokens=p.max_completion_length)
+                                      max_tokens=p.max_completion_length, stop_token_ids=self.eos_ids)
         kwargs.update(p.extra or {})
         return self.vllm.SamplingParams(**kwargs)
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], num_generations: int) -> Rollout:
+    def generate(self, prompts: list[str], num_generations: int, add_special_tokens: bool = False) -> Rollout:
         tok = self.tokenizer
         tok.truncation_side = "left"
         max_len = self.params.max_prompt_length
-        ids = tok(prompts, add_special_tokens=False, truncation=max_len is not None, max_length=max_len)["input_ids"]
+        ids = tok(prompts, add_special_tokens=add_special_tokens, truncation=max_len is not None,
+                  max_length=max_len)["input_ids"]
         # Token ids, not text: vLLM then samples after exactly the prompt tokens the trainer scores.
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], self._sampling_params(num_generations),
                                     use_tqdm=False)
         completions = [list(o.token_ids) for out in outputs for o in out.outputs]
-        return _to_rollout(ids, completions, num_generations, tok.pad_token_id, tok.eos_token_id)
+        return _to_rollout(ids, completions, num_generations, tok.pad_token_id, self.eos_ids)
 
     @torch.no_grad()
     def sync_weights(self, model: torch.nn.Module) -> None:
@@ -72,7 +74,8 @@ class VLLMColocateBackend:
                 model.unmerge_adapter()
 
 
-def _to_rollout(prompt_ids: list[list[int]], completions: list[list[int]], g: int, pad: int, eos: int) -> Rollout:
+def _to_rollout(prompt_ids: list[list[int]], completions: list[list[int]], g: int, pad: int,
+                eos: list[int]) -> Rollout:
     """Left-pads prompts, right-pads completions, repeats each prompt G times. Output as in `Rollout`."""
     P = max(len(p) for p in prompt_ids)
     T = max(1, max(len(c) for c in completions))

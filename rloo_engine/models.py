@@ -6,7 +6,7 @@ import contextlib
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from rloo_engine.config import ConfigError, RLOOConfig
 
@@ -27,6 +27,22 @@ def load_tokenizer(path: str):
     return tok
 
 
+def eos_token_ids(tokenizer, model_path: str) -> list[int]:
+    """Every id that ends a completion: the tokenizer's EOS plus the model's `generation_config.eos_token_id`.
+
+    Chat models list several (Llama-3: 128001, 128008, 128009; Qwen2.5-Instruct: 151645, 151643), and
+    the tokenizer's own EOS is often not the one the chat template ends a turn with.
+    """
+    ids = [tokenizer.eos_token_id]
+    try:
+        configured = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json
+        configured = None
+    if configured is not None:
+        ids += configured if isinstance(configured, list) else [configured]
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
 def load_causal_lm(path: str, cfg: RLOOConfig, field: str = "model_name_or_path") -> PreTrainedModel:
     kwargs = {"dtype": DTYPES[cfg.dtype]}
     if cfg.attn_implementation:
@@ -36,8 +52,6 @@ def load_causal_lm(path: str, cfg: RLOOConfig, field: str = "model_name_or_path"
     except (OSError, ValueError) as err:
         hint = "" if Path(path).exists() or "/" in path else " (not a local directory either)"
         raise ConfigError(f"{field}: cannot load a causal LM from {path!r}{hint}: {err}") from None
-    if cfg.disable_dropout:
-        disable_dropout(model)
     return model
 
 
@@ -58,6 +72,8 @@ def load_policy(cfg: RLOOConfig) -> PreTrainedModel:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if not cfg.use_peft:
+        if cfg.disable_dropout:
+            disable_dropout(model)
         return model
     try:
         from peft import LoraConfig, get_peft_model
@@ -72,7 +88,10 @@ def load_policy(cfg: RLOOConfig) -> PreTrainedModel:
     )
     if cfg.gradient_checkpointing:
         model.enable_input_require_grads()
-    return get_peft_model(model, lora)
+    model = get_peft_model(model, lora)
+    if cfg.disable_dropout:  # after wrapping: PEFT adds its own `lora_dropout` modules
+        disable_dropout(model)
+    return model
 
 
 def load_reference(cfg: RLOOConfig) -> PreTrainedModel | None:
@@ -80,6 +99,8 @@ def load_reference(cfg: RLOOConfig) -> PreTrainedModel | None:
     if not cfg.has_reference_model or cfg.use_peft:
         return None
     ref = load_causal_lm(cfg.model_name_or_path, cfg)
+    if cfg.disable_dropout:
+        disable_dropout(ref)
     ref.requires_grad_(False)
     return ref.eval()
 

@@ -20,6 +20,8 @@ class GenerationBatch:
     input_ids, attention_mask: (N, P + T) prompt then completion; completion_mask: (N, T);
     advantages: (N,); loss_weights: (N,) 0 for rows excluded from the loss;
     old_token_logps: (N, T) sampling-policy log-probs, None when fully on-policy.
+    loss_normalizer: live rows per micro-batch, averaged over the batch; each micro-batch's loss is
+    divided by it, so every live row weighs the same whichever micro-batch it falls in.
     """
 
     input_ids: torch.Tensor
@@ -29,12 +31,14 @@ class GenerationBatch:
     loss_weights: torch.Tensor
     old_token_logps: torch.Tensor | None
     prompt_length: int
+    loss_normalizer: float = 1.0
 
     def micro_batch(self, index: int, size: int) -> dict[str, Any]:
         rows = slice(index * size, (index + 1) * size)
         out = {k: v[rows] for k, v in asdict(self).items() if isinstance(v, torch.Tensor)}
         out["old_token_logps"] = self.old_token_logps[rows] if self.old_token_logps is not None else None
         out["prompt_length"] = self.prompt_length
+        out["loss_normalizer"] = self.loss_normalizer
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -79,3 +79,8 @@ def tiny_config(tmp_path: Path, model: Path, **overrides) -> RLOOConfig:
 
 def read_metrics(output_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def trl_style_reply_length(completions, **_):
+    """A reward written as TRL's docs write them for chat data: it reads completion[0]["content"]."""
+    return [len(c[0]["content"]) / 10 for c in completions]

@@ -82,12 +82,43 @@ def test_unscorable_rows_are_left_out_of_baseline():
     assert A.leave_one_out_advantages(rewards, 3, torch.tensor([True, False, False])).tolist() == [0.0, 0.0, 0.0]
 
 
-def test_normalize_advantages_unit_std_over_live_rows():
+def test_normalize_advantages_uses_every_scorable_row_as_trl_does():
+    # A group whose rewards tie has advantage 0 but is scorable: TRL counts it in the std (the old code did not).
     adv = torch.tensor([2.0, -2.0, 0.0, 4.0, -4.0, 0.0])
     valid = torch.tensor([True, True, True, True, True, False])
     out = A.normalize_advantages(adv, valid, eps=0.0)
-    assert out[[0, 1, 3, 4]].std().item() == pytest.approx(1.0)
-    assert out[2].item() == 0.0
+    live = adv[valid]
+    assert torch.allclose(out[valid], (live - live.mean()) / live.std())
+    assert out[[0, 1, 2, 3, 4]].std().item() == pytest.approx(1.0)
+    assert out[5].item() == 0.0  # unscorable rows stay out of the loss
+
+
+def test_normalize_advantages_takes_its_statistics_from_the_pooled_batch():
+    """Each process normalises with the statistics of every process's rows (gathered), not its own."""
+    mine, theirs = torch.tensor([1.0, -1.0]), torch.tensor([3.0, -3.0])
+    pooled = torch.cat([mine, theirs])
+    out = A.normalize_advantages(mine, torch.ones(2, dtype=torch.bool), pooled, torch.ones(4, dtype=torch.bool),
+                                 eps=0.0)
+    assert torch.allclose(out, (mine - pooled.mean()) / pooled.std())
+
+
+def test_loss_normaliser_weighs_every_live_row_of_the_step_equally():
+    """Two micro-batches of one optimizer step: 1 live row in the first, 4 in the second.
+
+    Normalised per micro-batch, the lone row would get 4x the weight of the others; with the batch's
+    normaliser (5 live rows / 2 micro-batches) each row's gradient is -A_i / 5 after accumulation.
+    """
+    adv = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    weights = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    seq = torch.zeros(8, requires_grad=True)
+    normalizer = weights.sum().item() / 2
+    total = 0
+    for rows in (slice(0, 4), slice(4, 8)):
+        loss, _ = A.clipped_sequence_loss(seq[rows], seq[rows].detach(), adv[rows], 0.2, 0.2, weights[rows],
+                                          normalizer)
+        total = total + loss / 2  # accelerate divides each micro-batch loss by the accumulation steps
+    total.backward()
+    assert torch.allclose(seq.grad, -weights / 5)
 
 
 def test_clipped_loss_on_policy_is_reinforce():

@@ -19,9 +19,9 @@ class RecordingBackend:
     def __init__(self, inner: HFGenerationBackend):
         self.inner, self.synced_at, self.calls = inner, [], 0
 
-    def generate(self, prompts, num_generations) -> Rollout:
+    def generate(self, prompts, num_generations, add_special_tokens=False) -> Rollout:
         self.calls += 1
-        return self.inner.generate(prompts, num_generations)
+        return self.inner.generate(prompts, num_generations, add_special_tokens)
 
     def sync_weights(self, model) -> None:
         self.synced_at.append(self.calls)

@@ -116,3 +116,17 @@ def test_lora_sync_sends_merged_base_weights_under_base_names(fake_vllm, qwen2_m
     after = {k: v for k, v in model.get_base_model().state_dict().items() if "lora_" not in k}
     for k in before:  # and unmerged again afterwards (up to float rounding of W + BA - BA)
         torch.testing.assert_close(before[k], after[k])
+
+
+def test_completions_ending_at_a_generation_config_eos_id_count_as_terminated(fake_vllm, qwen2_model):
+    """vLLM stops at every id in `stop_token_ids`; the rollout must then call those completions terminated."""
+    from rloo_engine.generation_vllm import VLLMColocateBackend
+
+    tok = AutoTokenizer.from_pretrained(qwen2_model)
+    other_eos = 7  # e.g. Qwen2.5's <|endoftext|> beside the tokenizer's <|im_end|>
+    params = SamplingParams(max_completion_length=4, eos_token_ids=(tok.eos_token_id, other_eos))
+    backend = VLLMColocateBackend(str(qwen2_model), tok, params)
+    rollout = backend.generate(["the cat sat", "a big red fox jumps"], 2)  # scripted row 1 is [7, 8, 9, 10]
+    assert FakeLLM.instances[0].requests[0][1].stop_token_ids == [tok.eos_token_id, other_eos]
+    assert rollout.terminated.tolist() == [True, True, True, False]
+    assert rollout.completion_mask[1].tolist() == [1, 0, 0, 0]  # nothing after the EOS is trained on
