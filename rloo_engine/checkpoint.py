@@ -6,15 +6,21 @@ Layout of `output_dir/checkpoint-N/`:
   trainer_state.json   step counters, data position, metric history tail
   rank{r}.pt           per-process state that differs between ranks (generation buffer)
 A checkpoint is written to `.tmp-checkpoint-N`, fsynced, then renamed, so a crash never leaves
-a half-written `checkpoint-N` behind.
+a half-written `checkpoint-N` behind. Before a resume loads anything, `validate_checkpoint` reads every
+file it needs (a disk or a copy can still damage one), and `latest` falls back to the newest one
+that is whole. A save first checks that the disk has room for another checkpoint as large as the last.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
+import struct
+import sys
+import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,6 +30,7 @@ from accelerate.utils import DistributedType
 from safetensors.torch import load_file
 
 from rloo_engine.config import ConfigError
+from rloo_engine.fault_injection import maybe_kill
 
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -38,20 +45,150 @@ def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def resolve_resume(resume_from_checkpoint: str | None, output_dir: str | Path) -> Path | None:
-    """`latest` -> newest checkpoint or None (fresh start); a path must be a complete checkpoint."""
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (full disk, I/O error); the partial directory has been removed."""
+
+
+def _numbered_dirs(output_dir: str | Path) -> list[Path]:
+    """Every `checkpoint-N` directory in `output_dir`, complete or not, newest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _CKPT.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def resolve_resume(resume_from_checkpoint: str | None, output_dir: str | Path, num_processes: int = 1,
+                   deepspeed: bool = False, report: bool = True) -> Path | None:
+    """`latest` -> the newest checkpoint that validates, or None (fresh start); a path must validate.
+
+    Each checkpoint `latest` passes over is named on stderr (by rank 0: `report`) with what is wrong with it.
+    """
     if not resume_from_checkpoint:
         return None
     if resume_from_checkpoint == "latest":
-        dirs = checkpoint_dirs(output_dir)
-        return dirs[-1] if dirs else None
+        for path in _numbered_dirs(output_dir):
+            problem = validate_checkpoint(path, num_processes, deepspeed)
+            if problem is None:
+                return path
+            if report:
+                print(f"rloo-engine: skipping {path}: {problem}; trying an older checkpoint", file=sys.stderr)
+        return None
     path = Path(resume_from_checkpoint)
-    if not (path / STATE_FILE).is_file():
+    if not path.is_dir():
         raise ConfigError(
-            f"resume_from_checkpoint: {path} is not a complete checkpoint (no {STATE_FILE}); "
-            "expected 'latest' or a checkpoint-N directory"
+            f"resume_from_checkpoint: {path} does not exist or is not a directory; expected 'latest' or a "
+            "checkpoint-N directory"
+        )
+    problem = validate_checkpoint(path, num_processes, deepspeed)
+    if problem is not None:
+        raise ConfigError(
+            f"resume_from_checkpoint: {path} cannot be resumed: {problem}; expected a complete checkpoint-N "
+            "directory (or 'latest', which falls back to the newest complete one)"
         )
     return path
+
+
+def validate_checkpoint(path: Path, num_processes: int, deepspeed: bool) -> str | None:
+    """What is wrong with `path` as a resume point for `num_processes` processes, or None if every file reads.
+
+    Reads what a resume reads: the trainer state, the model weights' safetensors headers against the file
+    sizes, the optimizer (or DeepSpeed's shards), scheduler, every rank's RNG state and rank file.
+    Every rank checks every rank's files, so all ranks reach the same verdict.
+    """
+    state = path / STATE_FILE
+    if not state.is_file():
+        return f"{STATE_FILE} is missing (the write did not finish)"
+    try:
+        step = json.loads(state.read_text())["global_step"]
+        if not isinstance(step, int):
+            raise TypeError(f"global_step is {step!r}")
+    except (ValueError, KeyError, TypeError) as err:
+        return f"{STATE_FILE} is unreadable ({type(err).__name__}: {err})"
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        return "no *.safetensors model or adapter weights"
+    for f in weights:
+        if problem := _safetensors_problem(f):
+            return f"{f.name} {problem}"
+    acc = path / "accelerate"
+    if deepspeed:
+        shards = acc / "pytorch_model"
+        for rank in range(num_processes):
+            if not list(shards.glob(f"*zero_pp_rank_{rank}_*")):
+                return f"accelerate/pytorch_model has no zero_pp_rank_{rank}_* DeepSpeed state"
+        needed = sorted(p for p in shards.glob("*.pt")) if shards.is_dir() else []
+    else:
+        needed = [acc / "optimizer.bin"]
+    needed += sorted(acc.glob("custom_checkpoint_*.pkl"))
+    needed += [acc / f"random_states_{r}.pkl" for r in range(num_processes)]
+    needed += [path / f"rank{r}.pt" for r in range(num_processes)]
+    for f in needed:
+        if problem := _torch_file_problem(f):
+            rel = f.relative_to(path)
+            if f.name.startswith("rank") and not f.exists():
+                problem += f"; it was written by a run with fewer processes than this one ({num_processes})"
+            return f"{rel} {problem}"
+    return None
+
+
+def _safetensors_problem(f: Path) -> str | None:
+    """A safetensors file is an 8-byte header length, a JSON header, then the tensors the header places."""
+    size = f.stat().st_size
+    try:
+        with f.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > size - 8:
+                raise ValueError(f"header of {n} bytes in a file of {size}")
+            header = json.loads(fh.read(n))
+    except (struct.error, ValueError) as err:
+        return f"has no readable header ({err})"
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end != size:
+        return f"is truncated (its header places {8 + n + end} bytes, the file has {size})"
+    return None
+
+
+def _torch_file_problem(f: Path) -> str | None:
+    """None if `torch.load` would read `f`; zip archives are checked by their central directory, small files loaded."""
+    if not f.is_file():
+        return "is missing"
+    if f.stat().st_size == 0:
+        return "is empty (0 bytes)"
+    try:
+        if f.stat().st_size > 16 * 2**20 and zipfile.is_zipfile(f):
+            with zipfile.ZipFile(f) as archive:
+                archive.infolist()
+        else:
+            torch.load(f, map_location="cpu", weights_only=False)
+    except (zipfile.BadZipFile, RuntimeError, EOFError, pickle.UnpicklingError, OSError, ValueError) as err:
+        return f"is unreadable ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+    return None
+
+
+def remove_partial_writes(output_dir: str | Path) -> list[Path]:
+    """Deletes `.tmp-*` directories a killed run left (call with the output_dir lock held); returns them."""
+    root = Path(output_dir)
+    doomed = [p for p in root.glob(".tmp-*") if p.is_dir()] if root.is_dir() else []
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+
+
+def _space_problem(root: Path, step: int) -> str | None:
+    """Room for a checkpoint as large as the last one? (No earlier checkpoint: nothing to measure by.)"""
+    previous = checkpoint_dirs(root)
+    if not previous:
+        return None
+    need, free = _tree_bytes(previous[-1]), shutil.disk_usage(root).free
+    if free >= need:
+        return None
+    return (f"checkpoint-{step}: {root} has {free} bytes free, the last checkpoint took {need} "
+            f"({previous[-1].name}); free space or lower save_total_limit, then resume")
 
 
 def install_state_hooks(accelerator: Accelerator, model: torch.nn.Module) -> None:
@@ -135,29 +272,60 @@ def save_checkpoint(
     rank_state: dict[str, Any],
     save_total_limit: int | None,
 ) -> Path:
-    """Writes `output_dir/checkpoint-{step}` atomically; every process must call it."""
+    """Writes `output_dir/checkpoint-{step}` atomically; every process must call it.
+
+    Refused (CheckpointWriteError, on every rank) when the disk has less room than the last checkpoint
+    took; a write that fails anyway removes its `.tmp-checkpoint-N` so it does not keep the disk full.
+    """
     root = Path(output_dir)
     final, tmp = root / f"checkpoint-{step}", root / f".tmp-checkpoint-{step}"
+    problem = _space_problem(root, step) if accelerator.is_main_process else None
+    if _any_rank(accelerator, problem is not None):
+        raise CheckpointWriteError(problem or f"checkpoint-{step}: rank 0 found too little free space in {root}")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp / "accelerate"))
-    torch.save(rank_state, tmp / f"rank{accelerator.process_index}.pt")
+    error = None
+    try:
+        accelerator.save_state(str(tmp / "accelerate"))
+        torch.save(rank_state, tmp / f"rank{accelerator.process_index}.pt")
+        maybe_kill(step, "checkpoint-partial")
+    except (OSError, RuntimeError) as err:  # torch reports a short write as RuntimeError ("unexpected pos")
+        error = err
+    # The gather below is collective, so a rank that failed still joins it.
     state_dict = full_state_dict(accelerator, model)
+    if accelerator.is_main_process and error is None:
+        try:
+            accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict)
+            tokenizer.save_pretrained(tmp)
+            (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=1))
+            _fsync_tree(tmp)
+        except (OSError, RuntimeError) as err:
+            error = err
+    if _any_rank(accelerator, error is not None):
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(root).free if root.is_dir() else 0
+        cause = f"{type(error).__name__}: {error}" if error else "another rank failed"
+        raise CheckpointWriteError(f"checkpoint-{step}: writing {tmp} failed ({cause}); {free} bytes free on "
+                                   f"{root}; the partial checkpoint was removed") from error
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict)
-        tokenizer.save_pretrained(tmp)
-        (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=1))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        _fsync_tree(tmp)
+        maybe_kill(step, "checkpoint-written")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _fsync_tree(root)
         prune_checkpoints(root, save_total_limit)
     accelerator.wait_for_everyone()
     return final
+
+
+def _any_rank(accelerator: Accelerator, flag: bool) -> bool:
+    """True on every rank if `flag` is True on any (collective)."""
+    if accelerator.num_processes == 1:
+        return flag
+    flags = accelerator.gather(torch.tensor([int(flag)], device=accelerator.device))
+    return bool(flags.sum().item())
 
 
 def prune_checkpoints(output_dir: Path, save_total_limit: int | None) -> list[Path]:
@@ -172,15 +340,13 @@ def prune_checkpoints(output_dir: Path, save_total_limit: int | None) -> list[Pa
 
 
 def load_checkpoint(accelerator: Accelerator, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Restores model, optimizer, scheduler and RNG in place; returns (trainer_state, this rank's state)."""
+    """Restores model, optimizer, scheduler and RNG in place; returns (trainer_state, this rank's state).
+
+    `path` must have passed `validate_checkpoint`: accelerate itself only logs (at INFO) an RNG state it cannot read.
+    """
     accelerator.load_state(str(path / "accelerate"))
     trainer_state = json.loads((path / STATE_FILE).read_text())
     rank_file = path / f"rank{accelerator.process_index}.pt"
-    if not rank_file.is_file():
-        raise ConfigError(
-            f"resume_from_checkpoint: {path} has no {rank_file.name}; it was written by a run with fewer "
-            f"processes than this one ({accelerator.num_processes})"
-        )
     return trainer_state, torch.load(rank_file, weights_only=False)
 
 

@@ -132,7 +132,8 @@ def outputs_report(result, cfg: RLOOConfig) -> str:
         + (" (resume with --resume_from_checkpoint latest)" if checkpoints else ""),
         f"  completions   {out / 'completions.jsonl'}",
     ]
-    tracking_uri, run_id = os.environ.get("MLFLOW_TRACKING_URI"), os.environ.get("MLFLOW_RUN_ID")
+    tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
+    run_id = getattr(result, "mlflow_run_id", None) or os.environ.get("MLFLOW_RUN_ID")
     if run_id:
         lines.append(f"  MLflow run    {run_id} at {tracking_uri or 'the default tracking URI'}")
     elif tracking_uri:
@@ -141,6 +142,17 @@ def outputs_report(result, cfg: RLOOConfig) -> str:
     else:
         lines.append("  MLflow run    none (set MLFLOW_TRACKING_URI to log to MLflow)")
     return "\n".join(lines)
+
+
+def _start_train_process(cfg: RLOOConfig) -> None:
+    """Before torch is even imported: die with the launcher if asked, and (rank 0) take the output_dir lock,
+    so a second run into the same directory is refused in about a second, not after its models load."""
+    from rloo_engine.lifetime import die_with_parent_if_asked
+    from rloo_engine.run_lock import acquire_run_lock
+
+    die_with_parent_if_asked()
+    if int(os.environ.get("RANK", "0")) == 0:
+        acquire_run_lock(cfg.output_dir)  # the trainer takes this same lock over and releases it at the end
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if command == "train":
             cfg = parse_train_args(rest)
+            _start_train_process(cfg)
             from rloo_engine.trainer import train
 
             result = train(cfg)

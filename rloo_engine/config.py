@@ -115,6 +115,15 @@ class RLOOConfig(BaseModel):
     reward_clip_range: tuple[float, float] | None = F(
         None, "Clip each source's reward to [low, high] before weighting. None = no clipping."
     )
+    reward_source_max_empty_steps: int = F(
+        2,
+        "Fail (RewardError naming the source) once a reward source has scored none of a process's completions "
+        "(every value None or NaN) for this many generation batches in a row; each such batch is warned about on "
+        "stderr. A source that never scores adds no signal: alone it leaves every advantage 0, so training "
+        "\"succeeds\" without learning; beside other sources it is silently ignored. 2 catches a broken function "
+        "in the first two steps; raise it for a source that legitimately abstains for a while; 0 = only warn.",
+        ge=0,
+    )
     mask_truncated_completions: bool = F(
         False,
         "Exclude completions that hit `max_completion_length` without an EOS from the loss (they get no "
@@ -128,6 +137,16 @@ class RLOOConfig(BaseModel):
     top_k: int | None = F(None, "Top-k sampling; None or 0 = off.", ge=0)
     min_p: float | None = F(None, "Min-p sampling threshold; None = off.", ge=0.0, le=1.0)
     repetition_penalty: float = F(1.0, "Repetition penalty for sampling; 1.0 = off.", gt=0.0)
+    sampling_logprobs: Literal["auto", "generation", "forward"] = F(
+        "auto",
+        "Where the sampling policy's per-token log-probs (the KL term with `beta > 0`, and the old "
+        "log-probs off-policy) come from. `generation`: recorded while decoding, from the logits the "
+        "sample was drawn from (no extra forward pass). `forward`: a separate no-grad forward over the "
+        "whole batch. In fp32 the two agree to ~1e-6 per token. In bf16/fp16 the KV-cached decoding "
+        "logits differ from a full forward by ~1e-3 per token (measured on a tiny model; more on large "
+        "ones), so step-1 KL would start above 0 and off-policy ratios away from 1. `auto` = `generation` "
+        "in fp32 with the HF backend and no repetition penalty, else `forward`.",
+    )
     use_vllm: bool = F(
         False,
         "Generate with vLLM instead of HF `generate` (needs the `vllm` extra and a GPU). Weights are copied "
@@ -177,13 +196,16 @@ class RLOOConfig(BaseModel):
     save_steps: int = F(500, "Write `checkpoint-N` every this many optimizer steps; 0 = only the final model.", ge=0)
     save_total_limit: int | None = F(None, "Keep at most this many checkpoints (oldest pruned). None = keep all.", ge=1)
     resume_from_checkpoint: str | None = F(
-        None, "`latest` (newest `checkpoint-N` in `output_dir`, or a fresh start if none), or a checkpoint path."
+        None, "`latest` (newest complete `checkpoint-N` in `output_dir`, or a fresh start if none; a damaged one is "
+        "named on stderr and skipped), or a checkpoint path (must be complete, else a config error, exit 2). Every file "
+        "a resume reads is validated before anything loads.",
     )
     disable_tqdm: bool = F(False, "Hide the progress bar (rank 0 shows one by default).")
 
     # ---------------------------------------------------------------- reference-model sync
     sync_ref_model: bool = F(
-        False, "Periodically move the reference towards the policy (TR-DPO style): ref = alpha*policy + (1-alpha)*ref."
+        False, "Periodically move the reference towards the policy (TR-DPO style): ref = alpha*policy + (1-alpha)*ref. "
+        "Needs a separate reference: rejected with `use_peft` or `beta: 0`, as TRL does. Works under ZeRO-3 (gathered).",
     )
     ref_model_mixup_alpha: float = F(0.6, "alpha of the reference sync.", ge=0.0, le=1.0)
     ref_model_sync_steps: int = F(512, "Optimizer steps between reference syncs.", ge=1)
@@ -257,6 +279,10 @@ class RLOOConfig(BaseModel):
             raise ValueError("vllm_mode: 'server' is not implemented yet; use 'colocate' (or use_vllm: false)")
         if self.bf16 and self.fp16:
             raise ValueError("bf16 and fp16: both true; choose one mixed-precision mode")
+        if self.sync_ref_model and (self.use_peft or self.beta == 0):
+            # As TRL: with LoRA the reference is the adapter-free base, and with beta 0 there is none.
+            why = "use_peft: true (the reference is the adapter-disabled base)" if self.use_peft else "beta: 0 (no reference)"
+            raise ValueError(f"sync_ref_model: true has nothing to sync with {why}; set sync_ref_model: false")
         if self.dataset_name is None:
             raise ValueError("dataset_name: not set; expected a hub id, dataset directory or data file")
         if self.lr_scheduler_type not in _SCHEDULERS:
@@ -264,6 +290,14 @@ class RLOOConfig(BaseModel):
         return self
 
     # ---------------------------------------------------------------- derived values
+    @property
+    def logprobs_from_generation(self) -> bool:
+        """Whether `sampling_logprobs` resolves to the decoding log-probs (see its description)."""
+        if self.sampling_logprobs != "auto":
+            return self.sampling_logprobs == "generation"
+        full_precision = not (self.bf16 or self.fp16) and self.dtype == "float32"
+        return full_precision and not self.use_vllm and self.repetition_penalty == 1.0
+
     @property
     def effective_epsilon_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high

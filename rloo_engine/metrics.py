@@ -6,6 +6,12 @@ While training, MLflow's system-metrics monitor samples the node (CPU, memory, d
 GPUs when `pynvml` is installed) into the same run as `system/*`, so a slow run shows why;
 `MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING=false` turns it off, `MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL`
 sets the period (10 s).
+
+Each step is in every sink once, however often the run was killed and resumed: on start the JSONL files
+are cut back to the start step (a torn last line dropped), and MLflow is not sent a step it already
+holds (a resume redoes steps bit-exactly, so the values it has are the ones it would get). A run the
+engine created itself is named in `output_dir/mlflow_run.json`; a resume continues it, and a fresh run
+ends it FAILED if its process died without ending it.
 """
 
 from __future__ import annotations
@@ -19,18 +25,24 @@ from pathlib import Path
 from typing import Any
 
 
+RUN_FILE = "mlflow_run.json"
+STEP_MARKER = "epoch"  # logged at every logging step: its history says which steps MLflow already has
+
+
 class MetricsLogger:
-    def __init__(self, output_dir: str | Path, enabled: bool, run_name: str | None = None, params: dict | None = None):
+    def __init__(self, output_dir: str | Path, enabled: bool, run_name: str | None = None, params: dict | None = None,
+                 continue_run: bool = False):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
         self.client = None
         self.run_id: str | None = None
         self.owns_run = False
         self.system_metrics = None
+        self.mlflow_has_through = 0  # MLflow already holds steps up to this one
         if enabled:
-            self._connect_mlflow(run_name, params or {})
+            self._connect_mlflow(run_name, params or {}, continue_run)
 
-    def _connect_mlflow(self, run_name: str | None, params: dict[str, Any]) -> None:
+    def _connect_mlflow(self, run_name: str | None, params: dict[str, Any], continue_run: bool) -> None:
         run_id = os.environ.get("MLFLOW_RUN_ID")
         if not run_id and not os.environ.get("MLFLOW_TRACKING_URI"):
             return
@@ -40,13 +52,39 @@ class MetricsLogger:
         if run_id:
             self.run_id = run_id
         else:
-            name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "rloo-engine")
-            exp = self.client.get_experiment_by_name(name)
-            exp_id = exp.experiment_id if exp else self.client.create_experiment(name)
-            self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
             self.owns_run = True
-            self.log_params(params)
+            previous = self._previous_run()
+            if previous is not None and continue_run:
+                self.run_id = previous.info.run_id
+                self.client.update_run(self.run_id, status="RUNNING")
+            else:
+                if previous is not None and previous.info.status == "RUNNING":
+                    # We hold the output_dir lock, so the run that opened it is dead.
+                    self.client.set_tag(previous.info.run_id, "rloo.end_reason",
+                                        "its process died without ending it; a fresh run started in its output_dir")
+                    self.client.set_terminated(previous.info.run_id, "FAILED")
+                name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "rloo-engine")
+                exp = self.client.get_experiment_by_name(name)
+                exp_id = exp.experiment_id if exp else self.client.create_experiment(name)
+                self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
+                self.log_params(params)
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.path.with_name(RUN_FILE).write_text(json.dumps(
+                    {"run_id": self.run_id, "tracking_uri": self.client.tracking_uri}))
+        history = self.client.get_metric_history(self.run_id, STEP_MARKER)
+        self.mlflow_has_through = max((m.step for m in history), default=0)
         self.system_metrics = _start_system_metrics(self.run_id)
+
+    def _previous_run(self):
+        """The run an earlier engine run in this output_dir created on this tracking server, if it still exists."""
+        try:
+            info = json.loads(self.path.with_name(RUN_FILE).read_text())
+            if info["tracking_uri"] != self.client.tracking_uri:
+                return None
+            run = self.client.get_run(info["run_id"])
+        except Exception:  # no file, a torn file, a deleted run
+            return None
+        return None if run.info.lifecycle_stage == "deleted" else run
 
     def log_params(self, params: dict[str, Any]) -> None:
         if self.client is None:
@@ -58,11 +96,11 @@ class MetricsLogger:
             self.client.log_batch(self.run_id, params=items[i : i + 100])
 
     def truncate_after(self, step: int) -> None:
-        """On resume, drop lines logged after the checkpoint so the file reads as one clean run."""
-        if not self.enabled or not self.path.exists():
+        """On start, drop what a previous run logged after `step` (metrics and completions) so each step is there once."""
+        if not self.enabled:
             return
-        kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
-        self.path.write_text("".join(ln + "\n" for ln in kept))
+        for path in (self.path, self.path.with_name("completions.jsonl")):
+            truncate_jsonl(path, step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -71,7 +109,7 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as fh:
             fh.write(json.dumps({"step": step, **clean}) + "\n")
-        if self.client is not None:
+        if self.client is not None and step > self.mlflow_has_through:
             from mlflow.entities import Metric
 
             now = int(time.time() * 1000)
@@ -100,6 +138,26 @@ class MetricsLogger:
             self.system_metrics = None
         if self.client is not None and self.owns_run:
             self.client.set_terminated(self.run_id, status)
+
+
+def truncate_jsonl(path: Path, step: int) -> None:
+    """Keeps the rows of `path` with `step` <= step; a torn row (the writer was killed mid-line) is dropped."""
+    if not path.exists():
+        return
+    kept, torn = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            torn += 1
+            continue
+        if row is not None and row["step"] <= step:
+            kept.append(line)
+    if torn:
+        print(f"rloo-engine: {path}: dropped {torn} torn line(s) left by a killed run", file=sys.stderr)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(ln + "\n" for ln in kept))
+    os.replace(tmp, path)
 
 
 def _start_system_metrics(run_id: str):

@@ -6,6 +6,7 @@ import asyncio
 import importlib
 import inspect
 import math
+import sys
 import threading
 from dataclasses import dataclass
 from numbers import Real
@@ -15,7 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from rloo_engine.config import ConfigError, RLOOConfig
-from rloo_engine.data import is_conversational
+from rloo_engine.data import completion_text, is_conversational
 
 
 class RewardError(RuntimeError):
@@ -78,11 +79,12 @@ class RewardModelSource:
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.to(self.device).eval()
 
-    def text(self, prompt: str | list[dict], completion: str) -> str:
+    def text(self, prompt: str | list[dict], completion: str | list[dict]) -> str:
         """The string the reward model judges: prompt + completion, or the full chat with the reply."""
         if not is_conversational(prompt):
-            return prompt + completion
-        chat = list(prompt) + [{"role": "assistant", "content": completion}]
+            return prompt + completion_text(completion)
+        reply = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+        chat = list(prompt) + reply
         if getattr(self.tokenizer, "chat_template", None):
             return self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=False)
         return "\n".join(f"{m['role']}: {m['content']}" for m in chat)
@@ -248,8 +250,9 @@ def score_all(
 class RewardResult:
     """Rewards of N completions from S sources.
 
-    rewards: (N,) float32, weighted sum over the sources that scored each row (0.0 where none did).
-    per_source: (N, S) float32, each source's (clipped) score, NaN where it returned None.
+    rewards: (N,) float32, weighted sum over the sources that scored each row (0.0 where none did),
+        clipped to `reward_clip_range`.
+    per_source: (N, S) float32, each source's raw score, NaN where it returned None.
     scorable: (N,) bool, False where no source scored the row.
     names: S source names, in column order.
     """
@@ -269,7 +272,7 @@ def compute_rewards(
     completion_ids: list[list[int]],
     columns: dict[str, list],
 ) -> RewardResult:
-    """Scores N completions with every source, clips each to `clip_range`, and sums them with `weights`."""
+    """Scores N completions with every source, sums them with `weights`, and clips the sum to `clip_range` (as TRL)."""
     if not sources:
         raise RewardError("reward sources: none given; expected a reward model or at least one reward function")
     weights = [1.0] * len(sources) if weights is None else list(weights)
@@ -281,11 +284,12 @@ def compute_rewards(
     per_source = torch.tensor(
         [_checked_scores(label, out, n) for label, out in zip(labels, raw)], dtype=torch.float32
     ).T.reshape(n, len(sources))  # (N, S)
-    if clip_range is not None:
-        per_source = per_source.clamp(clip_range[0], clip_range[1])  # NaN stays NaN
     weighted = per_source * torch.tensor(weights, dtype=torch.float32)  # (N, S)
+    rewards = weighted.nansum(dim=1)
+    if clip_range is not None:
+        rewards = rewards.clamp(clip_range[0], clip_range[1])
     return RewardResult(
-        rewards=weighted.nansum(dim=1),
+        rewards=rewards,
         per_source=per_source,
         scorable=~per_source.isnan().all(dim=1),
         names=[s.name for s in sources],
@@ -325,6 +329,40 @@ def _checked_scores(label: str, out: Any, n: int) -> list[float]:
         else:
             raise RewardError(f"{label} returned a {type(value).__name__} at row {i}; expected a float or None")
     return scores
+
+
+class RewardSourceSilent(RewardError, ConfigError):
+    """A reward source scored nothing for `reward_source_max_empty_steps` batches; a retry would fail the same way."""
+
+
+class EmptySourceWatch:
+    """Warns for each generation batch in which a source scores none of its completions, fails after `limit` in a row.
+
+    Per process: each process checks the sources on its own completions. `limit` 0 only warns.
+    """
+
+    def __init__(self, sources: Sequence[RewardSource], limit: int):
+        self.labels, self.limit = _source_labels(sources), limit
+        self.empty_batches = [0] * len(self.labels)
+
+    def observe(self, result: RewardResult, step: int) -> None:
+        scored = (~result.per_source.isnan()).sum(dim=0).tolist()  # (S,)
+        n = result.per_source.shape[0]
+        for j, label in enumerate(self.labels):
+            if scored[j]:
+                self.empty_batches[j] = 0
+                continue
+            self.empty_batches[j] += 1
+            run = self.empty_batches[j]
+            limit = f"the run fails at {self.limit}" if self.limit else "only warned: the limit is 0"
+            print(f"rloo-engine: warning: step {step}: {label} scored none of its {n} completions (every value None "
+                  f"or NaN); {run} batch(es) in a row, {limit} (reward_source_max_empty_steps)", file=sys.stderr)
+            if self.limit and run >= self.limit:
+                raise RewardSourceSilent(
+                    f"{label} scored none of its completions for {run} generation batches in a row (every value "
+                    "None or NaN), so it adds no training signal; fix the source, or raise "
+                    "reward_source_max_empty_steps (0 = only warn)"
+                )
 
 
 # ---------------------------------------------------------------- from the config

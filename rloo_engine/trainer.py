@@ -17,22 +17,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from rloo_engine import algorithm as A
 from rloo_engine import checkpoint as ckpt
 from rloo_engine.config import RLOOConfig, save_config
-from rloo_engine.data import PromptSampler, extra_columns, load_prompt_dataset, render_prompt
+from rloo_engine.fault_injection import maybe_kill
+from rloo_engine.data import (
+    PromptSampler, as_assistant_messages, extra_columns, is_conversational, load_prompt_dataset, render_prompt,
+)
 from rloo_engine.distributed import (
-    build_accelerator, fill_deepspeed_config, full_weights_for_generation, global_grad_norm, outside_zero_init,
+    build_accelerator, fill_deepspeed_config, full_weights_for_generation, gathered_for_update, global_grad_norm,
+    outside_zero_init,
     prepare_frozen_model,
 )
 from rloo_engine.generation import GenerationBackend, HFGenerationBackend, SamplingParams
 from rloo_engine.metrics import MetricsLogger
-from rloo_engine.models import load_policy, load_reference, load_tokenizer, reference_context, sync_reference
-from rloo_engine.rewards import RewardModelSource, build_reward_sources, compute_rewards
+from rloo_engine.run_lock import acquire_run_lock
+from rloo_engine.train_checks import check_before_loading
+from rloo_engine.models import (
+    eos_token_ids, load_policy, load_reference, load_tokenizer, reference_context, sync_reference,
+)
+from rloo_engine.rewards import EmptySourceWatch, RewardModelSource, build_reward_sources, compute_rewards
 from rloo_engine.rollout import (
     GenerationBatch,
     batched_token_logps,
@@ -50,19 +58,28 @@ class TrainResult:
     final_dir: Path | None
     metrics_path: Path
     last_metrics: dict[str, float]
+    mlflow_run_id: str | None = None  # the run metrics went to (rank 0), whether given or created
 
 
 class RLOOTrainer:
     def __init__(self, cfg: RLOOConfig, backend: GenerationBackend | None = None):
         self.cfg = cfg
         self.acc = build_accelerator(cfg)
+        # Before anything loads: reward imports, tokenizer sizes, output_dir, this run's lock, the checkpoint.
+        check_before_loading(cfg)
+        self.run_lock = acquire_run_lock(cfg.output_dir) if self.acc.is_main_process else None
+        self.resume_path = ckpt.resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir, self.acc.num_processes,
+                                               self.acc.distributed_type == DistributedType.DEEPSPEED,
+                                               report=self.acc.is_main_process)
         self.steps_per_generation = cfg.steps_per_generation_for(self.acc.num_processes)
         self.on_policy = cfg.num_iterations == 1 and cfg.gradient_accumulation_steps % self.steps_per_generation == 0
         set_seed(cfg.seed)
         # Cheap checks first: a bad dataset or reward function fails before any model is loaded.
         self.dataset = load_prompt_dataset(cfg.dataset_name, cfg.dataset_config, cfg.dataset_train_split)
         self.tokenizer = load_tokenizer(cfg.model_name_or_path)
+        self.model_eos_ids = eos_token_ids(self.tokenizer, cfg.model_name_or_path)
         self.reward_sources = build_reward_sources(cfg, self.acc.device)
+        self.reward_watch = EmptySourceWatch(self.reward_sources, cfg.reward_source_max_empty_steps)
         self.policy = load_policy(cfg)
         self.ref = load_reference(cfg)
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -87,7 +104,8 @@ class RLOOTrainer:
         self.sampler = PromptSampler(len(self.dataset), cfg.seed, cfg.shuffle_dataset,
                                      self.acc.process_index, self.acc.num_processes)
         self.logger = MetricsLogger(cfg.output_dir, self.acc.is_main_process, cfg.run_name,
-                                    {f"train.{k}": v for k, v in cfg.model_dump().items()})
+                                    {f"train.{k}": v for k, v in cfg.model_dump().items()},
+                                    continue_run=bool(cfg.resume_from_checkpoint))
         self.global_step = 0
         self.synced_step = -1  # optimizer step whose weights the generation backend holds
         self.batch: GenerationBatch | None = None
@@ -99,7 +117,8 @@ class RLOOTrainer:
     def _sampling_params(self) -> SamplingParams:
         c = self.cfg
         return SamplingParams(c.max_completion_length, c.temperature, c.top_p, c.top_k, c.min_p,
-                              c.repetition_penalty, c.max_prompt_length, c.generation_kwargs)
+                              c.repetition_penalty, c.max_prompt_length, c.generation_kwargs,
+                              tuple(self.model_eos_ids))
 
     def _default_backend(self) -> GenerationBackend:
         if self.cfg.use_vllm:
@@ -109,7 +128,8 @@ class RLOOTrainer:
                                        self.cfg.vllm_gpu_memory_utilization, self.cfg.vllm_tensor_parallel_size,
                                        self.cfg.seed + self.acc.process_index, self.cfg.dtype)
         return HFGenerationBackend(lambda: self.acc.unwrap_model(self.policy), self.tokenizer, self._sampling_params(),
-                                   gather=lambda: full_weights_for_generation(self.acc, self.policy))
+                                   gather=lambda: full_weights_for_generation(self.acc, self.policy),
+                                   record_logps=self.cfg.logprobs_from_generation)
 
     def _total_steps(self) -> int:
         if self.cfg.max_steps > 0:
@@ -137,58 +157,77 @@ class RLOOTrainer:
         rows = [self.dataset[i] for i in self.sampler.next_indices(num_prompts)]
         prompts = [r["prompt"] for r in rows]
         rendered = [render_prompt(self.tokenizer, p, c.chat_template_kwargs) for p in prompts]
+        conversational = is_conversational(prompts[0])
 
         with self._timed("generation"):
-            rollout = self.backend.generate(rendered, G)
+            # A chat template writes its own special tokens (BOS); plain prompts get the tokenizer's.
+            rollout = self.backend.generate(rendered, G, add_special_tokens=not conversational)
         completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         completion_ids = [ids[m.bool()].tolist() for ids, m in zip(rollout.completion_ids, rollout.completion_mask)]
 
         with self._timed("reward"):
             columns = {k: [v for v in col for _ in range(G)] for k, col in extra_columns(rows).items()}
+            # As in TRL: with conversational prompts a reward function gets each completion as messages.
+            scored_completions = [as_assistant_messages(t) for t in completions] if conversational else completions
             scored = compute_rewards(self.reward_sources, c.reward_weights, c.reward_clip_range,
-                                     [p for p in prompts for _ in range(G)], completions, completion_ids, columns)
+                                     [p for p in prompts for _ in range(G)], scored_completions, completion_ids,
+                                     columns)
         rewards = scored.rewards.to(self.acc.device)
         valid = scored.scorable.to(self.acc.device)
+        self.reward_watch.observe(scored, self.global_step + 1)
 
         input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
         attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
         P, mask = rollout.prompt_ids.size(1), rollout.completion_mask
-        old_logps, kl = None, torch.zeros_like(rewards)
+        old_logps, kl, token_kl_mean = None, torch.zeros_like(rewards), 0.0
         with self._timed("reference"):
             if c.beta > 0 or not self.on_policy:
-                self.policy.eval()  # the sampling policy's log-probs, without dropout noise
-                old_logps = batched_token_logps(self.policy, input_ids, attention_mask, P, c.temperature,
-                                                c.per_device_train_batch_size)
-                self.policy.train()
-            if c.beta > 0:
-                with reference_context(self.acc.unwrap_model(self.policy), self.ref):
-                    ref_logps = batched_token_logps(self.ref or self.policy, input_ids, attention_mask, P,
-                                                    c.temperature, c.per_device_train_batch_size)
-                kl = A.sequence_kl(old_logps, ref_logps, mask)
+                self.policy.eval()  # sampling-policy and reference log-probs, without dropout noise
+                try:
+                    old_logps = rollout.sampling_logps  # recorded while decoding (sampling_logprobs)
+                    if old_logps is None:
+                        old_logps = batched_token_logps(self.policy, input_ids, attention_mask, P, c.temperature,
+                                                        c.per_device_train_batch_size)
+                    if c.beta > 0:
+                        # The prepared policy runs under accelerate's autocast; the reference must too, or
+                        # bf16 rounding alone makes KL non-zero while the two models are identical.
+                        with self.acc.autocast(), reference_context(self.acc.unwrap_model(self.policy), self.ref):
+                            ref_logps = batched_token_logps(self.ref or self.policy, input_ids, attention_mask, P,
+                                                            c.temperature, c.per_device_train_batch_size)
+                        token_kl = (old_logps - ref_logps) * mask
+                        kl = token_kl.sum(-1)  # (N,) k1 sequence KL: what enters the reward
+                        token_kl_mean = (token_kl.sum() / mask.sum().clamp(min=1)).item()  # TRL's `kl`
+                finally:
+                    self.policy.train()
 
         total_reward = rewards - c.beta * kl
         advantages = A.leave_one_out_advantages(total_reward, G, valid)
         if c.normalize_advantages:
-            advantages = A.normalize_advantages(advantages, valid)
+            # Over every scorable row of every process, as TRL normalises over the gathered batch.
+            advantages = A.normalize_advantages(advantages, valid, self.acc.gather(advantages),
+                                                self.acc.gather(valid))
         loss_weights = valid.float()
         if c.mask_truncated_completions:
             loss_weights = loss_weights * rollout.terminated.float()
 
-        self._record_generation_metrics(scored, rewards, valid, kl, rollout, G)
+        self._record_generation_metrics(scored, rewards, valid, kl, token_kl_mean, rollout, G)
         self.last_samples = [
             {"prompt": r, "completion": t, "reward": float(rw), "advantage": float(a)}
             for r, t, rw, a in zip([p for p in rendered for _ in range(G)], completions, rewards, advantages)
         ]
+        # Each live row weighs the same in its optimizer steps, however the masked rows fall into micro-batches.
+        live_per_micro_batch = max(loss_weights.sum().item(), 1.0) / self.steps_per_generation
         return GenerationBatch(input_ids, attention_mask, mask, advantages, loss_weights,
-                               None if self.on_policy else old_logps, P)
+                               None if self.on_policy else old_logps, P, live_per_micro_batch)
 
-    def _record_generation_metrics(self, scored, rewards, valid, kl, rollout, G) -> None:
+    def _record_generation_metrics(self, scored, rewards, valid, kl, token_kl_mean, rollout, G) -> None:
         w = self.window
         w["reward"].append(rewards[valid].mean().item() if valid.any() else float("nan"))
         w["reward_std"].append(rewards[valid].std().item() if valid.sum() > 1 else 0.0)
         w["frac_reward_zero_std"].append((group_reward_std(rewards, G) < 1e-6).float().mean().item())
         w["frac_unscorable"].append((~valid).float().mean().item())
-        w["kl"].append(kl.mean().item())
+        w["kl"].append(token_kl_mean)
+        w["sequence_kl"].append(kl.mean().item())
         w["num_tokens"].append(float(rollout.prompt_mask.sum() + rollout.completion_mask.sum()))
         for j, name in enumerate(scored.names):
             col = scored.per_source[:, j]
@@ -208,7 +247,8 @@ class RLOOTrainer:
         old = mb["old_token_logps"] if mb["old_token_logps"] is not None else token_logps.detach()
         seq_logps = A.sequence_log_probs(token_logps, mask)
         loss, ratio = A.clipped_sequence_loss(seq_logps, A.sequence_log_probs(old, mask), mb["advantages"],
-                                              c.epsilon, c.effective_epsilon_high, mb["loss_weights"])
+                                              c.epsilon, c.effective_epsilon_high, mb["loss_weights"],
+                                              mb["loss_normalizer"])
         clip = A.clip_ratio_metrics(ratio, mb["advantages"], c.epsilon, c.effective_epsilon_high, mb["loss_weights"])
         self.window["entropy"].append(((entropy * mask).sum() / mask.sum().clamp(min=1)).item())
         for k, v in clip.items():
@@ -218,10 +258,24 @@ class RLOOTrainer:
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> TrainResult:
+        """Trains to `total_steps`, holding the output_dir lock; an engine-created MLflow run that dies of an
+        error ends FAILED (KILLED on Ctrl-C). A SIGKILL ends nothing: the next run in the directory notices."""
+        try:
+            return self._train()
+        except BaseException as err:
+            if self.acc.is_main_process:
+                self.logger.finish("KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED")
+            raise
+        finally:
+            if self.run_lock is not None:
+                self.run_lock.release()
+
+    def _train(self) -> TrainResult:
         c = self.cfg
         out = Path(c.output_dir)
         if self.acc.is_main_process:
             out.mkdir(parents=True, exist_ok=True)
+            ckpt.remove_partial_writes(out)  # a killed run's .tmp-checkpoint-N; the lock says none is being written
             save_config(c, out / "config.yaml")
         start_step = self._maybe_resume()
         crash_at = int(os.environ.get(CRASH_ENV, "0"))
@@ -254,14 +308,17 @@ class RLOOTrainer:
             self.window["learning_rate"].append(self.scheduler.get_last_lr()[0])
             self.scheduler.step()
             self.global_step += 1
+            maybe_kill(self.global_step, "step")
             self.window["step_time"].append(time.perf_counter() - step_start)
             if self.acc.device.type == "cuda":
                 self.window["memory/max_allocated_gib"].append(torch.cuda.max_memory_allocated() / 2**30)
             if c.sync_ref_model and self.ref is not None and self.global_step % c.ref_model_sync_steps == 0:
-                sync_reference(self.acc.unwrap_model(self.policy), self.ref, c.ref_model_mixup_alpha)
+                with gathered_for_update(self.acc, self.policy, self.ref):
+                    sync_reference(self.acc.unwrap_model(self.policy), self.ref, c.ref_model_mixup_alpha)
             if self.global_step % c.logging_steps == 0 or self.global_step == self.total_steps:
                 last = self._log()
                 bar.set_postfix(reward=f"{last.get('reward', float('nan')):.3f}", kl=f"{last.get('kl', 0):.3f}")
+            maybe_kill(self.global_step, "logged")
             bar.update(1)
             if c.save_steps and self.global_step % c.save_steps == 0 and self.global_step < self.total_steps:
                 self._save()
@@ -273,7 +330,7 @@ class RLOOTrainer:
         bar.close()
         final = ckpt.save_final(self.acc, self.policy, self.tokenizer, out, self._fresh_policy)
         self._finish_logging(out)
-        return TrainResult(self.global_step, final, self.logger.path, last)
+        return TrainResult(self.global_step, final, self.logger.path, last, self.logger.run_id)
 
     # ------------------------------------------------------------------ logging, saving, resuming
     def _log(self) -> dict[str, float]:
@@ -323,8 +380,10 @@ class RLOOTrainer:
                              self._trainer_state(), rank_state, self.cfg.save_total_limit)
 
     def _maybe_resume(self) -> int:
-        path = ckpt.resolve_resume(self.cfg.resume_from_checkpoint, self.cfg.output_dir)
+        """Loads `self.resume_path` (validated at start-up); either way the history files end at the start step."""
+        path = self.resume_path
         if path is None:
+            self.logger.truncate_after(0)  # a run killed before its first checkpoint must not leave steps behind
             return 0
         state, rank_state = ckpt.load_checkpoint(self.acc, path)
         self.global_step = state["global_step"]
