@@ -4,6 +4,10 @@
 would leave them holding GPUs. The command therefore runs with `start_new_session=True`, and every
 exit path (success, failure, timeout, a SIGTERM from the Prefect worker on cancellation) ends in
 `kill_process_group`, inside a `finally`, so it does not depend on hooks being run.
+
+A SIGKILLed caller runs no `finally`. For that case the child asks the kernel to SIGKILL it when its
+parent dies (`PR_SET_PDEATHSIG`, Linux), and RLOO_DIE_WITH_PARENT=1 in its environment makes each
+engine rank ask the same of its own parent (the `accelerate` launcher), so the group dies with us.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from rloo_engine.lifetime import DIE_WITH_PARENT_ENV, die_with_parent
 
 _LINE_SPLIT = re.compile(rb"\r\n|\r|\n")
 
@@ -89,12 +95,13 @@ def run_in_process_group(
         log.flush()
         proc = subprocess.Popen(
             cmd,
-            env=env,
+            env={**env, DIE_WITH_PARENT_ENV: "1"},
             cwd=cwd,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=die_with_parent,
             bufsize=0,
         )
         pgid = proc.pid  # a new session's leader heads a process group of the same id

@@ -104,6 +104,7 @@ def train_rloo(
             raise TimeoutError(f"launch.timeout_seconds: training {err}; the process group was killed") from None
         finally:
             tracking.log_artifact(train_run, log_path, "logs")
+        record_exit(train_run, outcome.returncode, outcome.tail)
         raise_for_exit(outcome.returncode, outcome.tail, log_path)
 
         final = out / "final"
@@ -174,17 +175,37 @@ def _gpu_slot(limit_name: str | None):
     )
 
 
-_LAUNCHER_CHILD_EXIT = re.compile(r"returned non-zero exit status (-?\d+)|exitcode\s*:\s*(-?\d+)")
+# How accelerate reports its child's end: CalledProcessError says "returned non-zero exit status 3" or, for a
+# signal, "died with <Signals.SIGKILL: 9>"; torchrun's error summary says "exitcode  : -9".
+_LAUNCHER_CHILD_EXIT = re.compile(
+    r"returned non-zero exit status (-?\d+)|exitcode\s*:\s*(-?\d+)|died with <Signals\.\w+: (\d+)>"
+)
 
 
 def engine_exit_code(returncode: int, tail: list[str]) -> int:
-    """The engine's own exit code: accelerate's launcher exits 1 and reports the child's status in its output."""
+    """The engine's own exit code (negative: killed by that signal); accelerate's launcher exits 1 and reports it."""
     if returncode in (EXIT_OK, EXIT_CONFIG, EXIT_INJECTED_CRASH) or returncode < 0:
         return returncode
     for line in reversed(tail):
         if m := _LAUNCHER_CHILD_EXIT.search(line):
-            return int(m.group(1) or m.group(2))
+            return -int(m.group(3)) if m.group(3) else int(m.group(1) or m.group(2))
     return returncode
+
+
+def exit_cause(code: int) -> str:
+    """`exit code N`, or `killed by SIGNAME` for a negative code, with the usual reason for a SIGKILL."""
+    if code >= 0:
+        return f"exit code {code}"
+    import signal
+
+    name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+    return f"killed by {name}" + (" (often the OOM killer)" if name == "SIGKILL" else "")
+
+
+def record_exit(train_run: RunRef, returncode: int, tail: list[str]) -> None:
+    """Tags the train run with how the engine ended (`rloo.exit_code`, `rloo.exit_cause`), so a kill shows as one."""
+    code = engine_exit_code(returncode, tail)
+    tracking.set_tags(train_run, {"rloo.exit_code": code, "rloo.exit_cause": exit_cause(code)})
 
 
 def raise_for_exit(returncode: int, tail: list[str], log_path: Path) -> None:
@@ -201,11 +222,7 @@ def raise_for_exit(returncode: int, tail: list[str], log_path: Path) -> None:
             f"the engine exited with code 3: an injected crash (RLOO_ENGINE_CRASH_AT_STEP); see {log_path}"
         )
     if code < 0:
-        import signal
-
-        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
-        hint = " (SIGKILL: often the kernel's out-of-memory killer)" if name == "SIGKILL" else ""
-        raise EngineCrashed(f"the engine was killed by {name}{hint}; last output:\n{last}")
+        raise EngineCrashed(f"the engine was {exit_cause(code)}; see {log_path}. Last output:\n{last}")
     raise EngineCrashed(f"the engine failed with exit code {code}; see {log_path}. Last output:\n{last}")
 
 

@@ -114,7 +114,7 @@ def test_exit_codes_map_to_clear_errors(tmp_path):
     assert issubclass(EngineConfigError, ConfigError)  # config errors are never retried
     with pytest.raises(EngineCrashed, match="injected crash"):
         raise_for_exit(1, ["... returned non-zero exit status 3."], log)
-    with pytest.raises(EngineCrashed, match="SIGKILL: often the kernel's out-of-memory killer"):
+    with pytest.raises(EngineCrashed, match=r"killed by SIGKILL \(often the OOM killer\)"):
         raise_for_exit(-9, [], log)
     with pytest.raises(EngineCrashed, match="failed with exit code 1; see .*train.log"):
         raise_for_exit(1, ["RuntimeError: CUDA error"], log)
