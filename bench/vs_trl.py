@@ -1,0 +1,342 @@
+"""Side by side with TRL: TRL's RLOOTrainer and `rloo-engine train` on one locally built model, data and config.
+
+    bash bench/setup_trl_venv.sh          # once: .venv-trl with torch (CPU), this project and TRL
+    python bench/vs_trl.py                # both default sizes, 2 rounds of A B (~10-15 min on 2 CPU cores)
+    python bench/vs_trl.py --sizes 256x4:2000 --rounds 3 --steps 5
+
+For each model size it builds, in a temporary directory and without downloading anything: a BPE
+tokenizer trained on generated text, a random-init Qwen2-shaped policy, a random-init reward model of
+the same shape (`AutoModelForSequenceClassification`, num_labels=1) and a prompt file whose prompts
+are exactly `--prompt-length` tokens. It then runs each trainer as its own subprocess, alternating
+engine, TRL, engine, TRL, ... for `--rounds` rounds, each run `--warmup-steps + --steps` optimizer
+steps with one torch thread (OMP_NUM_THREADS=1). It prints, per size, the median s/step of each side
+over all measured steps and their ratio (TRL s/step / engine s/step: the engine's speed-up), and the
+median peak RSS of each side's process and their ratio (engine / TRL). See bench/README.md, "vs TRL".
+
+s/step is each trainer's own optimizer-step time: the engine's `step_time` from its `metrics.jsonl`,
+and, for TRL, the wall time from the HF Trainer's `on_step_begin` to `on_step_end` callback (generation,
+scoring and the update all happen inside that window in TRL; logging comes after it, as in the engine).
+Peak RSS is `ru_maxrss` of that subprocess alone, from `os.wait4`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TRL_PYTHON = REPO / ".venv-trl" / "bin" / "python"
+SIDES = ("engine", "trl")
+PHASES = ("generation", "reward", "reference", "policy_update")
+CHILD_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "ACCELERATE_USE_CPU": "true",
+    "WANDB_DISABLED": "true",
+    "PYTHONWARNINGS": "ignore",
+}
+
+
+def parse_size(text: str) -> tuple[int, int, int]:
+    """`HIDDENxLAYERS:VOCAB`, e.g. `512x8:32000`."""
+    try:
+        shape, vocab = text.split(":")
+        hidden, layers = shape.split("x")
+        return int(hidden), int(layers), int(vocab)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}; expected HIDDENxLAYERS:VOCAB, e.g. 512x8:32000") from None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=parse_size, nargs="+", default=[(256, 4, 2000), (512, 8, 32000)],
+                   help="model sizes as HIDDENxLAYERS:VOCAB (intermediate = 2x hidden, 4 heads, 2 KV heads, tied)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of (engine run, TRL run) per size")
+    p.add_argument("--steps", type=int, default=3, help="measured optimizer steps per run")
+    p.add_argument("--warmup-steps", type=int, default=1, help="optimizer steps run first in each run, not measured")
+    p.add_argument("--num-generations", type=int, default=4, help="G, completions per prompt")
+    p.add_argument("--batch", type=int, default=16, help="completions per optimizer step (a multiple of G)")
+    p.add_argument("--max-completion-length", type=int, default=64)
+    p.add_argument("--prompt-length", type=int, default=64, help="tokens in every prompt")
+    p.add_argument("--beta", type=float, default=0.05)
+    p.add_argument("--trl-python", type=Path, default=DEFAULT_TRL_PYTHON,
+                   help="python of the venv that has TRL (bench/setup_trl_venv.sh)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", type=Path, default=None, help="also write every number to this JSON file")
+    p.add_argument("--trl-worker", type=Path, default=None, help=argparse.SUPPRESS)  # internal: one TRL run
+    args = p.parse_args(argv)
+    if args.trl_worker is None:
+        if args.batch % args.num_generations:
+            p.error(f"--batch: {args.batch} is not a multiple of --num-generations={args.num_generations}")
+        if args.rounds < 1 or args.steps < 1 or args.warmup_steps < 0:
+            p.error("--rounds and --steps: expected >= 1; --warmup-steps: expected >= 0")
+        if not args.trl_python.exists():
+            p.error(f"--trl-python: {args.trl_python} does not exist; run `bash bench/setup_trl_venv.sh` first")
+    return args
+
+
+# ---------------------------------------------------------------- assets (project venv)
+
+
+def build_assets(root: Path, hidden: int, layers: int, vocab: int, args: argparse.Namespace) -> dict:
+    """Tokenizer, policy, same-shape reward model and a prompt file; returns their paths and sizes."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Qwen2Config
+
+    from bench.engine_throughput import _stdout_silenced, pseudo_words, sentences
+    from rloo_engine.tiny_models import train_tokenizer
+
+    rng = random.Random(args.seed)
+    words = pseudo_words(max(4 * vocab, 1000), rng)
+    with _stdout_silenced():
+        tokenizer = train_tokenizer(sentences(words, 20000, 12, rng), vocab_size=vocab)
+    # BPE stops early when the corpus runs out of merges; the model's vocabulary is then padded to `vocab`
+    # rows (ids the tokenizer never produces), so the LM head and embedding have the requested size.
+    model_vocab = max(vocab, len(tokenizer))
+    shape = dict(vocab_size=model_vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                 bos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+    import torch
+
+    torch.manual_seed(args.seed)
+    policy = AutoModelForCausalLM.from_config(Qwen2Config(**shape))
+    policy.generation_config.pad_token_id = tokenizer.pad_token_id
+    policy.generation_config.eos_token_id = tokenizer.eos_token_id
+    policy.save_pretrained(root / "policy")
+    tokenizer.save_pretrained(root / "policy")
+    torch.manual_seed(args.seed + 1)
+    reward = AutoModelForSequenceClassification.from_config(Qwen2Config(**shape, num_labels=1))
+    reward.save_pretrained(root / "reward")
+    tokenizer.save_pretrained(root / "reward")
+    params = sum(t.numel() for t in policy.parameters())
+
+    # Prompts of exactly `prompt_length` tokens whose text re-tokenizes to the same length, so that neither
+    # trainer truncates (TRL 1.x has no max_prompt_length) and both see identical prompt tokens.
+    prompts = []
+    for text in sentences(words, 512, args.prompt_length, rng):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][: args.prompt_length]
+        cut = tokenizer.decode(ids)
+        if len(tokenizer(cut, add_special_tokens=False)["input_ids"]) == args.prompt_length:
+            prompts.append(cut)
+    if len(prompts) < 64:
+        raise SystemExit(f"prompts: only {len(prompts)} of 512 re-tokenize to {args.prompt_length} tokens; expected >= 64")
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in prompts))
+    return {"policy": str(root / "policy"), "reward": str(root / "reward"), "prompts": str(root / "prompts.jsonl"),
+            "tokenizer_vocab": len(tokenizer), "model_vocab": model_vocab, "params": params}
+
+
+# ---------------------------------------------------------------- one run of each side
+
+
+def run_child(command: list[str], log: Path) -> dict:
+    """Runs `command` with one thread; returns its wall time and peak RSS (that process alone, os.wait4)."""
+    env = {**os.environ, **CHILD_ENV}
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):  # a bench run is not an experiment
+        env.pop(var, None)
+    started = time.perf_counter()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        tail = "\n".join(log.read_text().splitlines()[-25:])
+        raise SystemExit(f"{command[0]} ... exited {proc.returncode}; last lines of {log}:\n{tail}")
+    return {"wall_s": time.perf_counter() - started, "peak_rss_mib": usage.ru_maxrss / 1024}  # Linux: KiB
+
+
+def common_settings(args: argparse.Namespace, assets: dict, output_dir: Path) -> dict:
+    """The settings both sides get, under the names both use (TRL's)."""
+    return {
+        "output_dir": str(output_dir),
+        "per_device_train_batch_size": args.batch,
+        "gradient_accumulation_steps": 1,
+        "steps_per_generation": 1,
+        "num_generations": args.num_generations,
+        "max_completion_length": args.max_completion_length,
+        "beta": args.beta,
+        "num_iterations": 1,
+        "learning_rate": 1e-5,
+        "max_steps": args.warmup_steps + args.steps,
+        "logging_steps": 1,
+        "seed": args.seed,
+        "temperature": 1.0,
+    }
+
+
+def run_engine(args: argparse.Namespace, assets: dict, work: Path) -> dict:
+    out = work / "engine-out"
+    flags = {**common_settings(args, assets, out), "model_name_or_path": assets["policy"],
+             "reward_model_name_or_path": assets["reward"], "dataset_name": assets["prompts"],
+             "max_prompt_length": args.prompt_length, "dtype": "float32", "save_steps": 0, "disable_tqdm": "true"}
+    command = [sys.executable, "-m", "rloo_engine", "train"]
+    for key, value in flags.items():
+        command += [f"--{key}", str(value)]
+    usage = run_child(command, work / "engine.log")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    measured = [r for r in rows if r["step"] > args.warmup_steps]
+    if len(measured) != args.steps:
+        raise SystemExit(f"engine metrics.jsonl: {len(measured)} measured steps; expected {args.steps}")
+    phases = {p: statistics.mean(r[f"timing/{p}_s"] for r in measured) for p in PHASES}
+    return {**usage, "step_s": [r["step_time"] for r in measured], "phases": phases,
+            "completion_length": statistics.mean(r["completions/mean_length"] for r in measured)}
+
+
+def run_trl(args: argparse.Namespace, assets: dict, work: Path) -> dict:
+    spec = work / "trl-spec.json"
+    spec.write_text(json.dumps({"settings": common_settings(args, assets, work / "trl-out"), "assets": assets,
+                                "steps_file": str(work / "trl-steps.jsonl")}))
+    usage = run_child([str(args.trl_python), str(Path(__file__).resolve()), "--trl-worker", str(spec)],
+                      work / "trl.log")
+    rows = [json.loads(line) for line in (work / "trl-steps.jsonl").read_text().splitlines()]
+    measured = [r for r in rows if r.get("step", 0) > args.warmup_steps]
+    if len(measured) != args.steps:
+        raise SystemExit(f"TRL steps: {len(measured)} measured steps; expected {args.steps}")
+    lengths = [r["completion_length"] for r in rows if r.get("log_step", 0) > args.warmup_steps]
+    return {**usage, "step_s": [r["step_s"] for r in measured],
+            "completion_length": statistics.mean(lengths) if lengths else None}
+
+
+def trl_worker(spec_path: Path) -> int:
+    """Inside .venv-trl: one TRL RLOOTrainer run; each optimizer step's time goes to `steps_file`."""
+    import torch
+    import transformers
+    from datasets import load_dataset
+    from transformers import TrainerCallback
+    from trl import RLOOConfig, RLOOTrainer
+
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    spec = json.loads(spec_path.read_text())
+    settings, assets = spec["settings"], spec["assets"]
+    config = RLOOConfig(
+        **settings,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,  # TRL's default is True; the engine's is False
+        disable_dropout=True,  # the engine's default
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_vllm=False,
+        dataloader_num_workers=0,
+    )
+    dataset = load_dataset("json", data_files=assets["prompts"], split="train")
+    steps_file = open(spec["steps_file"], "w")
+
+    class StepTimer(TrainerCallback):
+        """Wall time of each optimizer step, from the Trainer's own step callbacks; the logged mean length."""
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            steps_file.write(json.dumps({"step": state.global_step, "step_s": time.perf_counter() - self.started}) + "\n")
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "completions/mean_length" in logs:
+                steps_file.write(json.dumps({"log_step": state.global_step,
+                                             "completion_length": logs["completions/mean_length"]}) + "\n")
+
+    trainer = RLOOTrainer(model=assets["policy"], reward_funcs=assets["reward"], args=config, train_dataset=dataset,
+                          callbacks=[StepTimer()])
+    trainer.train()
+    steps_file.close()  # flushes the rows written by the callbacks
+    return 0
+
+
+# ---------------------------------------------------------------- report
+
+
+def compare(results: dict[str, list[dict]]) -> dict:
+    engine_s = statistics.median(s for run in results["engine"] for s in run["step_s"])
+    trl_s = statistics.median(s for run in results["trl"] for s in run["step_s"])
+    engine_rss = statistics.median(run["peak_rss_mib"] for run in results["engine"])
+    trl_rss = statistics.median(run["peak_rss_mib"] for run in results["trl"])
+    return {"engine_s_per_step": engine_s, "trl_s_per_step": trl_s, "speedup": trl_s / engine_s,
+            "engine_peak_rss_mib": engine_rss, "trl_peak_rss_mib": trl_rss, "rss_ratio": engine_rss / trl_rss}
+
+
+def print_size(size: dict, args: argparse.Namespace) -> None:
+    a, c = size["assets"], size["comparison"]
+    padded = (f", padded to {a['model_vocab']} in the model" if a["model_vocab"] > a["tokenizer_vocab"] else "")
+    print(f"model     qwen2, hidden {size['hidden']}, {size['layers']} layers, vocab {a['model_vocab']} "
+          f"(tokenizer {a['tokenizer_vocab']}{padded}): {a['params'] / 1e6:.1f}M params; reward model same shape")
+    print(f"load      1-min load average {size['load_before']:.2f} before, {size['load_after']:.2f} after"
+          f"{'  << machine loaded (> 1.5): times inflated' if max(size['load_before'], size['load_after']) > 1.5 else ''}")
+    for side in SIDES:
+        runs = size["runs"][side]
+        steps = " ".join(f"{s:.2f}" for run in runs for s in run["step_s"])
+        rss = " ".join(f"{run['peak_rss_mib']:.0f}" for run in runs)
+        lengths = [run["completion_length"] for run in runs if run["completion_length"] is not None]
+        length = f"{statistics.mean(lengths):.1f}" if lengths else "-"
+        print(f"  {side:<7} s/step per measured step: {steps}   peak RSS MiB per run: {rss}   "
+              f"mean completion tok: {length}")
+    phases = {p: statistics.mean(run["phases"][p] for run in size["runs"]["engine"]) for p in PHASES}
+    print("  engine phases (mean s/step): " + ", ".join(f"{p} {s:.2f}" for p, s in phases.items()))
+    print(f"  median s/step: engine {c['engine_s_per_step']:.2f}, TRL {c['trl_s_per_step']:.2f}  ->  "
+          f"engine speed-up {c['speedup']:.2f}x TRL steps/s")
+    print(f"  median peak RSS: engine {c['engine_peak_rss_mib']:.0f} MiB, TRL {c['trl_peak_rss_mib']:.0f} MiB  ->  "
+          f"engine/TRL {c['rss_ratio']:.2f}\n")
+
+
+def trl_version(python: Path) -> str:
+    return subprocess.run([str(python), "-c", "import trl, torch; print(trl.__version__, torch.__version__)"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.trl_worker is not None:
+        return trl_worker(args.trl_worker)
+    sys.path.insert(0, str(REPO))
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    trl_ver, torch_ver = trl_version(args.trl_python).split()
+    print(f"rloo-engine vs TRL (bench/vs_trl.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})")
+    print(f"TRL {trl_ver}, torch {torch_ver}; {os.cpu_count()} CPUs, one torch thread per run (OMP_NUM_THREADS=1)")
+    print(f"config    {args.batch} completions/step = {args.batch // args.num_generations} prompts x "
+          f"G={args.num_generations}; prompt {args.prompt_length} tok, <= {args.max_completion_length} new tok; "
+          f"beta {args.beta}; float32; reward: same-shape reward model")
+    print(f"runs      {args.rounds} rounds of engine, TRL (alternating); each {args.warmup_steps} warmup + "
+          f"{args.steps} measured steps; s/step = each trainer's own optimizer-step time; RSS = ru_maxrss per process\n")
+    sizes = []
+    for hidden, layers, vocab in args.sizes:
+        with tempfile.TemporaryDirectory(prefix="rloo-vs-trl-") as tmp:
+            root = Path(tmp)
+            assets = build_assets(root, hidden, layers, vocab, args)
+            load_before = os.getloadavg()[0]
+            runs: dict[str, list[dict]] = {side: [] for side in SIDES}
+            for round_ in range(args.rounds):
+                for side in SIDES:
+                    work = root / f"{side}-{round_}"
+                    work.mkdir()
+                    run = run_engine(args, assets, work) if side == "engine" else run_trl(args, assets, work)
+                    runs[side].append(run)
+            size = {"hidden": hidden, "layers": layers, "assets": assets, "runs": runs,
+                    "load_before": load_before, "load_after": os.getloadavg()[0], "comparison": compare(runs)}
+        print_size(size, args)
+        sizes.append(size)
+    if args.output:
+        args.output.write_text(json.dumps({"trl": trl_ver, "torch": torch_ver, "args": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "sizes": sizes}, indent=2) + "\n")
+        print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
