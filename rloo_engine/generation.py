@@ -12,6 +12,8 @@ from typing import Any, Protocol
 
 import torch
 
+from transformers import LogitsProcessor, LogitsProcessorList
+
 from rloo_engine.algorithm import completion_mask
 
 
@@ -21,6 +23,8 @@ class Rollout:
 
     prompt_ids, prompt_mask: (N, P) left-padded; completion_ids: (N, T) with pad after the first EOS;
     completion_mask: (N, T) 1 up to and including the first EOS; terminated: (N,) bool.
+    sampling_logps: (N, T) float32 log pi(o_t) at the sampling temperature, recorded while decoding
+    (0 where masked), or None when the backend did not record them.
     """
 
     prompt_ids: torch.Tensor
@@ -28,6 +32,36 @@ class Rollout:
     completion_ids: torch.Tensor
     completion_mask: torch.Tensor
     terminated: torch.Tensor
+    sampling_logps: torch.Tensor | None = None
+
+
+class SampledTokenLogProbs(LogitsProcessor):
+    """Records log pi(o_t) of each sampled token while `generate` decodes, keeping O(B) per step.
+
+    A logits processor sees step t's logits before step t's token is drawn; that token is the last
+    column of `input_ids` at step t + 1. So each call gathers the previous step's log-prob and keeps
+    only the current step's (B, V) log-softmax until then; `finish` gathers the last one. It runs
+    after `generate`'s own processors (e.g. repetition penalty) and before its temperature, top-k and
+    top-p warpers: it scores the temperature-scaled distribution, as the training forward does.
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.pending: torch.Tensor | None = None  # (B, V) of the step whose token is not drawn yet
+        self.logps: list[torch.Tensor] = []  # T tensors of (B,)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.pending is not None:
+            self.logps.append(self.pending.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """(B, T) log-probs of the T generated tokens, the last of which ends `sequences`."""
+        if self.pending is not None:
+            self.logps.append(self.pending.gather(-1, sequences[:, -1:]).squeeze(-1))
+            self.pending = None
+        return torch.stack(self.logps, dim=1)
 
 
 @dataclass
@@ -63,18 +97,19 @@ class HFGenerationBackend:
     """
 
     def __init__(self, model_getter, tokenizer, params: SamplingParams, shared_prefill: bool = True,
-                 gather=contextlib.nullcontext):
+                 gather=contextlib.nullcontext, record_logps: bool = False):
         self.model_getter = model_getter  # callable returning the unwrapped policy (LoRA-aware)
         self.gather = gather  # context making full weights available (DeepSpeed ZeRO-3)
         self.tokenizer = tokenizer
         self.params = params
         self.shared_prefill = shared_prefill
+        self.record_logps = record_logps  # fill Rollout.sampling_logps while decoding
         self.eos_ids = params.eos_token_ids or (tokenizer.eos_token_id,)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         return None
 
-    def _generation_kwargs(self, num_return_sequences: int) -> dict[str, Any]:
+    def _generation_kwargs(self, num_return_sequences: int, recorder=None) -> dict[str, Any]:
         p = self.params
         kwargs = dict(
             do_sample=True,
@@ -90,6 +125,8 @@ class HFGenerationBackend:
         if p.min_p:
             kwargs["min_p"] = p.min_p
         kwargs.update(p.extra or {})
+        if recorder is not None:
+            kwargs["logits_processor"] = LogitsProcessorList([*kwargs.get("logits_processor", []), recorder])
         return kwargs
 
     def tokenize_prompts(self, prompts: list[str], device: torch.device,
@@ -108,14 +145,16 @@ class HFGenerationBackend:
         device = next(model.parameters()).device
         prompt_ids, prompt_mask = self.tokenize_prompts(prompts, device, add_special_tokens)
         was_training = model.training
+        recorder = SampledTokenLogProbs(self.params.temperature) if self.record_logps else None
         model.eval()
         try:
             with self.gather():
                 if self.shared_prefill and prompt_ids.size(1) > 1:
-                    sequences = self._generate_shared_prefill(model, prompt_ids, prompt_mask, num_generations)
+                    sequences = self._generate_shared_prefill(model, prompt_ids, prompt_mask, num_generations,
+                                                              recorder)
                 else:
                     sequences = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
-                                               **self._generation_kwargs(num_generations))
+                                               **self._generation_kwargs(num_generations, recorder))
         finally:
             model.train(was_training)
         prompt_ids = prompt_ids.repeat_interleave(num_generations, 0)
@@ -123,9 +162,10 @@ class HFGenerationBackend:
         completion_ids = sequences[:, prompt_ids.size(1):]
         mask, terminated = completion_mask(completion_ids, list(self.eos_ids))
         completion_ids = torch.where(mask.bool(), completion_ids, torch.full_like(completion_ids, self.tokenizer.pad_token_id))
-        return Rollout(prompt_ids, prompt_mask, completion_ids, mask, terminated)
+        logps = recorder.finish(sequences) * mask if recorder is not None else None
+        return Rollout(prompt_ids, prompt_mask, completion_ids, mask, terminated, logps)
 
-    def _generate_shared_prefill(self, model, prompt_ids, prompt_mask, g: int) -> torch.Tensor:
+    def _generate_shared_prefill(self, model, prompt_ids, prompt_mask, g: int, recorder=None) -> torch.Tensor:
         """Prefills prompt[:, :-1] once, repeats the cache G times, lets `generate` continue from the last token."""
         from transformers import DynamicCache
 
@@ -140,5 +180,5 @@ class HFGenerationBackend:
             input_ids=prompt_ids.repeat_interleave(g, 0),
             attention_mask=prompt_mask.repeat_interleave(g, 0),
             cache=cache,
-            **self._generation_kwargs(1),
+            **self._generation_kwargs(1, recorder),
         )
