@@ -23,13 +23,14 @@ from tasks.registry import register_policy
 from tasks.reward import load_reward_model
 from tasks.run_setup import open_pipeline_run
 from tasks.summary import publish_failure_summary, publish_summary
-from tasks.tracking import run_status
+from tasks.tracking import end_runs_of_crashed_flow_run, run_status
 from tasks.train import train_rloo
 
 TITLE = "RLHF pipeline"
 
 
-@flow(name="rlhf-pipeline", log_prints=True)
+# on_crashed: the worker ends the MLflow runs a SIGKILLed flow-run process left RUNNING.
+@flow(name="rlhf-pipeline", log_prints=True, on_crashed=[end_runs_of_crashed_flow_run])
 def rlhf_pipeline(cfg: PipelineConfig, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """RLOO fine-tuning of an SFT checkpoint, judged against SFT and references, registered when it wins.
 

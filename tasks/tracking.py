@@ -154,6 +154,33 @@ def run_status(ref: RunRef) -> Iterator[None]:
             c.set_terminated(ref.run_id, status)
 
 
+def end_runs_of_crashed_flow_run(flow: Any, flow_run: Any, state: Any) -> list[str]:
+    """Prefect `on_crashed` hook: ends FAILED every MLflow run of `flow_run` still RUNNING; returns their ids.
+
+    A flow-run process killed outright (SIGKILL, OOM, a lost node) runs no `finally`, so its parent and
+    stage runs would stay RUNNING forever. The worker notices the dead process, marks the flow run
+    Crashed and runs this hook in its own process, with the tracking URI from the flow run's
+    parameters, its job variables or the worker's environment.
+    """
+    params = flow_run.parameters or {}
+    overrides = params.get("overrides") or {}
+    section = (params.get("cfg") or {}).get("tracking") or {}
+    job_env = (flow_run.job_variables or {}).get("env") or {}
+    uri = overrides.get("tracking.tracking_uri") or section.get("tracking_uri") or job_env.get(
+        "MLFLOW_TRACKING_URI") or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return []
+    c = client(uri)
+    experiments = [e.experiment_id for e in c.search_experiments()]
+    runs = c.search_runs(experiments, filter_string=f"tags.`{TAG_FLOW_RUN}` = '{flow_run.id}' and "
+                                                    "attributes.status = 'RUNNING'") if experiments else []
+    reason = f"the Prefect flow run crashed: {getattr(state, 'message', None) or state.name}"
+    for run in runs:
+        c.set_tag(run.info.run_id, "rloo.end_reason", reason)
+        c.set_terminated(run.info.run_id, "FAILED")
+    return [run.info.run_id for run in runs]
+
+
 @contextmanager
 def stage_run(parent: RunRef, stage: str) -> Iterator[RunRef]:
     """Opens (or, on a retry, reopens) the stage's child run and ends it with the stage's outcome."""
