@@ -14,8 +14,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
 
+from rloo_engine.progress import progress_bar
 from rloo_engine.config import ConfigError
 from rloo_engine.evaluation.config import GenerationConfig
 from rloo_engine.evaluation.data import EvalPrompt, load_completions, save_completions
@@ -64,7 +64,7 @@ def generate_completions(
     set_seed(gen.seed)
     device = next(model.parameters()).device
     completions: dict[str, str] = {}
-    bar = tqdm(total=len(prompts), desc=f"generating {Path(model_path).name}", unit="prompt", disable=not progress)
+    bar = progress_bar(total=len(prompts), desc=f"generating {Path(model_path).name}", unit="prompt", disable=not progress)
     try:
         for start in range(0, len(order), gen.batch_size):
             batch = order[start : start + gen.batch_size]

@@ -15,8 +15,8 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tqdm.auto import tqdm
 
+from rloo_engine.progress import progress_bar
 from rloo_engine.evaluation.budget import Price, SpendTracker
 from rloo_engine.evaluation.cache import JudgmentCache, cache_key
 from rloo_engine.evaluation.checks import (
@@ -214,7 +214,7 @@ async def judge_items(
         todo = [key for key in requests if key not in results]
         if results:
             log.info("judge cache %s: %d of %d judgments already done", cache.path, len(results), len(requests))
-        bar = tqdm(total=len(requests), initial=len(results), desc="judging", unit="judgment", disable=not cfg.progress)
+        bar = progress_bar(total=len(requests), initial=len(results), desc="judging", unit="judgment", disable=not cfg.progress)
 
         def record(index: int, judgment: Judgment) -> None:
             key = todo[index]
