@@ -35,6 +35,7 @@ from rloo_engine.distributed import (
 )
 from rloo_engine.generation import GenerationBackend, HFGenerationBackend, SamplingParams
 from rloo_engine.metrics import MetricsLogger
+from rloo_engine.progress import progress_bar
 from rloo_engine.run_lock import acquire_run_lock
 from rloo_engine.train_checks import check_before_loading
 from rloo_engine.models import (
@@ -280,8 +281,8 @@ class RLOOTrainer:
         start_step = self._maybe_resume()
         crash_at = int(os.environ.get(CRASH_ENV, "0"))
         micro_per_batch = self.steps_per_generation * c.num_iterations
-        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="rloo", unit="step", dynamic_ncols=True,
-                   disable=not self.acc.is_main_process or c.disable_tqdm)
+        bar = progress_bar(total=self.total_steps, initial=self.global_step, desc="rloo", unit="step",
+                           dynamic_ncols=True, disable=not self.acc.is_main_process or c.disable_tqdm)
         step_start, last = time.perf_counter(), {}
         self.policy.train()
         while self.global_step < self.total_steps:

@@ -37,6 +37,11 @@ def number_reward(completions, **kwargs):
     return [None if c == "-" else float(c) for c in completions]
 
 
+def trl_style_chat_reward(completions, **kwargs):
+    """How TRL's docs write a reward for conversational data: the reply's content, parsed as a number."""
+    return [float(c[0]["content"]) for c in completions]
+
+
 def skip_reward(completions, skip, **kwargs):
     """10.0, or None where the dataset column `skip` is true."""
     return [None if s else 10.0 for s in skip]
@@ -165,13 +170,25 @@ def test_all_none_source_leaves_rows_unscorable_but_nan_free():
     assert result.scorable.tolist() == [False, False]
 
 
-def test_clip_range_applies_per_source_before_weighting():
-    result = _score(_funcs("number_reward", "skip_reward"), ["-3", "0.5", "-"], weights=[2.0, 0.5],
-                    clip_range=(-1.0, 1.5), skip=[False, True, True])
+def test_clip_range_applies_to_the_weighted_sum_as_in_trl():
+    # Row 0: 2 * -3 + 0.5 * 10 = -1 (inside the range; clipping each source first would give -1.25).
+    # Row 1: 2 * 0.5 = 1.0; row 2: 2 * 3 = 6 -> 1.5.
+    result = _score(_funcs("number_reward", "skip_reward"), ["-3", "0.5", "3"], weights=[2.0, 0.5],
+                    clip_range=(-1.5, 1.5), skip=[False, True, True])
     assert torch.allclose(
-        result.per_source, torch.tensor([[-1.0, 1.5], [0.5, math.nan], [math.nan, math.nan]]), equal_nan=True
-    )
-    assert result.rewards.tolist() == [-2.0 + 0.75, 1.0, 0.0]
+        result.per_source, torch.tensor([[-3.0, 10.0], [0.5, math.nan], [3.0, math.nan]]), equal_nan=True
+    )  # each source's raw score, as TRL logs `rewards/<name>/mean`
+    assert result.rewards.tolist() == [-1.0, 1.0, 1.5]
+
+
+def test_conversational_completions_reach_reward_functions_and_models_as_trl_passes_them():
+    """A reward function written for `trl rloo` on chat data indexes completion[0]["content"]."""
+    from rloo_engine.data import as_assistant_messages
+
+    prompts = [[{"role": "user", "content": "hi"}]] * 2
+    completions = [as_assistant_messages("1.5"), as_assistant_messages("2")]
+    result = compute_rewards(_funcs("trl_style_chat_reward"), None, None, prompts, completions, [[1], [2]], {})
+    assert result.rewards.tolist() == [1.5, 2.0]
 
 
 def test_extra_columns_and_completion_ids_reach_functions():
