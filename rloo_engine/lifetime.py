@@ -19,17 +19,20 @@ _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
-def die_with_parent() -> None:
-    """SIGKILL this process when its parent dies (safe as a `subprocess` preexec_fn: no allocation, no locks)."""
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+def die_with_parent(expected_parent: int | None = None) -> None:
+    """SIGKILL this process when its parent dies (usable as a `subprocess` preexec_fn: no imports, no locks).
+
+    With `expected_parent`, a parent that already died before the request took effect kills us at once.
+    """
+    if _LIBC is None:
+        return
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def die_with_parent_if_asked() -> None:
     """Called by the engine at start-up; applies `die_with_parent` when the launcher set RLOO_DIE_WITH_PARENT."""
     if os.environ.get(DIE_WITH_PARENT_ENV) != "1" or _LIBC is None:
         return
-    parent = os.getppid()
-    die_with_parent()
-    if os.getppid() != parent or parent == 1:  # the parent died before the request took effect
-        os.kill(os.getpid(), signal.SIGKILL)
+    die_with_parent(os.getppid())

@@ -12,6 +12,7 @@ engine rank ask the same of its own parent (the `accelerate` launcher), so the g
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import selectors
@@ -101,7 +102,7 @@ def run_in_process_group(
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=die_with_parent,
+            preexec_fn=functools.partial(die_with_parent, os.getpid()),
             bufsize=0,
         )
         pgid = proc.pid  # a new session's leader heads a process group of the same id
