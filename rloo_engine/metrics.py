@@ -96,7 +96,7 @@ class MetricsLogger:
             self.client.log_batch(self.run_id, params=items[i : i + 100])
 
     def truncate_after(self, step: int) -> None:
-        """On start, drop what a previous run logged after `step` (metrics and completions) so each step is there once."""
+        """On start, drop what an earlier run logged after `step` (metrics, completions): each step once."""
         if not self.enabled:
             return
         for path in (self.path, self.path.with_name("completions.jsonl")):

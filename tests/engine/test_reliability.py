@@ -1,4 +1,4 @@
-"""Reliability of one engine run: the output-dir lock, checkpoint validation, history kept once, disk, rewards, early checks."""
+"""One engine run's reliability: output_dir lock, checkpoint validation, history once, disk, rewards, early checks."""
 
 from __future__ import annotations
 

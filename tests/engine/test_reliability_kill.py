@@ -1,4 +1,4 @@
-"""SIGKILL at random moments (inside checkpoint writes too), then resume: nothing lost beyond save_steps, nothing twice."""
+"""SIGKILL at seeded random moments (inside checkpoint writes too), then resume: <= save_steps lost, nothing twice."""
 
 from __future__ import annotations
 

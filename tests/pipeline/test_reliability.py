@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 # The engine stand-in: like `accelerate launch`, a launcher whose child does the work. The child makes the
 # call the engine makes at start-up, then works for two minutes.
-ENGINE = "from rloo_engine.lifetime import die_with_parent_if_asked; die_with_parent_if_asked(); import time; time.sleep(120)"
+ENGINE = ("from rloo_engine.lifetime import die_with_parent_if_asked; die_with_parent_if_asked(); "
+          "import time; time.sleep(120)")
 LAUNCHER = (
     "import subprocess, sys, time\n"
     f"child = subprocess.Popen([sys.executable, '-c', {ENGINE!r}])\n"

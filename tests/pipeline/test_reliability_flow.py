@@ -45,7 +45,8 @@ def test_sigkill_of_the_flow_run_process_ends_training_and_its_mlflow_runs(deplo
     assert "-9" in (run.state.message or "")
 
     def statuses() -> dict[str, str]:
-        return {stage: client.get_run(r.info.run_id).info.status for stage, r in deployed.mlflow_runs(flow_run_id).items()}
+        runs = deployed.mlflow_runs(flow_run_id)
+        return {stage: client.get_run(r.info.run_id).info.status for stage, r in runs.items()}
 
     while "RUNNING" in statuses().values() and time.monotonic() - killed_at < 60:
         time.sleep(0.5)
