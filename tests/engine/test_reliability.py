@@ -371,3 +371,22 @@ def test_reward_model_tokenizer_larger_than_its_vocab_is_found_before_models_loa
     with pytest.raises(ConfigError, match=rf"reward_model_name_or_path: {rm} has a tokenizer of {len(bigger)} tokens "
                                           r"but an embedding of 320 rows"):
         RLOOTrainer(cfg)
+
+
+def test_a_resume_into_the_launchers_mlflow_run_sends_each_step_once(tmp_path, qwen2_model, monkeypatch):
+    """The pipeline hands the engine its run (MLFLOW_RUN_ID); a retry redoes steps after the checkpoint."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    exp = client.create_experiment("handed-in", artifact_location=str(tmp_path / "artifacts"))
+    run_id = client.create_run(exp).info.run_id
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_RUN_ID", run_id)
+    monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
+    common = dict(max_steps=5, save_steps=2, resume_from_checkpoint="latest")
+    monkeypatch.setenv(CRASH_ENV, "3")  # steps 1-3 logged, checkpoint-2 the newest: step 3 is redone
+    with pytest.raises(SystemExit):
+        RLOOTrainer(tiny_config(tmp_path, qwen2_model, **common)).train()
+    monkeypatch.delenv(CRASH_ENV)
+    RLOOTrainer(tiny_config(tmp_path, qwen2_model, **common)).train()
+    assert [m.step for m in client.get_metric_history(run_id, "reward")] == [1, 2, 3, 4, 5]
+    assert client.get_run(run_id).info.status == "RUNNING"  # the launcher owns this run's status
