@@ -89,6 +89,8 @@ class JudgmentCache:
         for name, kind in _ADDED_COLUMNS.items():
             if name not in columns:
                 self._conn.execute(f"ALTER TABLE judgments ADD COLUMN {name} {kind}")
+        # put() gets the same identity dict for every judgment of a run: serialise it once per dict.
+        self._identity_json: tuple[dict[str, Any], str] | None = None
 
     def __enter__(self) -> JudgmentCache:
         return self
@@ -114,6 +116,8 @@ class JudgmentCache:
     def put(self, key: str, identity: dict[str, Any], template_hash: str | None, pair: SlotPair, j: Judgment) -> None:
         if j.status == "api_error":
             return
+        if self._identity_json is None or self._identity_json[0] is not identity:
+            self._identity_json = (identity, json.dumps(identity, sort_keys=True))
         self._conn.execute(
             "INSERT OR REPLACE INTO judgments VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
@@ -121,7 +125,7 @@ class JudgmentCache:
                 identity["backend"],
                 identity.get("model") or identity.get("function"),
                 template_hash,
-                json.dumps(identity, sort_keys=True),
+                self._identity_json[1],
                 pair.prompt,
                 pair.answer_a,
                 pair.answer_b,

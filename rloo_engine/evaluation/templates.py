@@ -38,7 +38,7 @@ class JudgeTemplate:
     verdict_prefix: str = "Preferred"
     source: str = ""
 
-    @property
+    @cached_property  # the template is frozen; the judge reads this once per judgment
     def hash(self) -> str:
         """First 16 hex digits of the SHA-256 of the parts that reach the judge."""
         parts = {"system": self.system, "user": self.user, "reask": self.reask_text, "prefix": self.verdict_prefix}

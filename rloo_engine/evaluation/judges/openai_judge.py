@@ -1,7 +1,7 @@
 """The `openai` judge: any OpenAI-compatible chat-completions endpoint, through the official async client.
 
-Requests go through the client's documented raw route, `client.post("/chat/completions", body=...,
-cast_to=object)`: the same transport, authentication, timeouts and error classes as
+Requests go through the client's documented raw route, `client.post(f"{base_url}/chat/completions",
+body=..., cast_to=object)`: the same transport, authentication, timeouts and error classes as
 `client.chat.completions.create`, without building typed request and response objects for the two
 fields we read, over openai's aiohttp transport (`DefaultAioHttpClient`) when installed. Both cut
 the client's CPU per request, which is what limits throughput with 32 requests in flight (see
@@ -73,6 +73,8 @@ class OpenAIJudge(Judge):
             timeout=cfg.timeout_s,
             http_client=_aiohttp_transport(),
         )
+        # An absolute URL: the client then skips merging a relative path into base_url on every request.
+        self._chat_url = f"{str(self._client.base_url).rstrip('/')}/chat/completions"
         # Set by the first budget stop or fatal endpoint error; no request starts after it.
         self._stopped: EvaluationError | None = None
         # Until the endpoint answers once, `connect_failure_limit` failed connections mean it is unreachable.
@@ -175,7 +177,7 @@ class OpenAIJudge(Judge):
                 self.spend.requests += 1
                 judgment.requests += 1
                 try:
-                    response = await self._client.post("/chat/completions", body=self._body(messages), cast_to=object)
+                    response = await self._client.post(self._chat_url, body=self._body(messages), cast_to=object)
                 except openai.APIStatusError as err:
                     self._reached = True
                     status = err.status_code
