@@ -19,12 +19,12 @@ from tasks.evaluate import evaluate_win_rate
 from tasks.ingest import ingest_policy_checkpoint, ingest_sft_checkpoint
 from tasks.run_setup import open_pipeline_run
 from tasks.summary import publish_failure_summary, publish_summary
-from tasks.tracking import run_status
+from tasks.tracking import end_runs_of_crashed_flow_run, run_status
 
 TITLE = "Policy evaluation"
 
 
-@flow(name="evaluate-policy", log_prints=True)
+@flow(name="evaluate-policy", log_prints=True, on_crashed=[end_runs_of_crashed_flow_run])
 def evaluate_policy(
     cfg: PipelineConfig, policy: str | None = None, overrides: dict[str, Any] | None = None
 ) -> dict[str, Any]:
