@@ -35,7 +35,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRL_PYTHON = REPO / ".venv-trl" / "bin" / "python"
 SIDES = ("engine", "trl")
-PHASES = ("generation", "reward", "reference", "policy_update")
 CHILD_ENV = {
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
@@ -187,7 +186,8 @@ def run_engine(args: argparse.Namespace, assets: dict, work: Path) -> dict:
     measured = [r for r in rows if r["step"] > args.warmup_steps]
     if len(measured) != args.steps:
         raise SystemExit(f"engine metrics.jsonl: {len(measured)} measured steps; expected {args.steps}")
-    phases = {p: statistics.mean(r[f"timing/{p}_s"] for r in measured) for p in PHASES}
+    timed = [k for k in measured[0] if k.startswith("timing/") and k.endswith("_s")]
+    phases = {k.removeprefix("timing/").removesuffix("_s"): statistics.mean(r[k] for r in measured) for k in timed}
     return {**usage, "step_s": [r["step_time"] for r in measured], "phases": phases,
             "completion_length": statistics.mean(r["completions/mean_length"] for r in measured)}
 
@@ -284,8 +284,12 @@ def print_size(size: dict, args: argparse.Namespace) -> None:
         length = f"{statistics.mean(lengths):.1f}" if lengths else "-"
         print(f"  {side:<7} s/step per measured step: {steps}   peak RSS MiB per run: {rss}   "
               f"mean completion tok: {length}")
-    phases = {p: statistics.mean(run["phases"][p] for run in size["runs"]["engine"]) for p in PHASES}
-    print("  engine phases (mean s/step): " + ", ".join(f"{p} {s:.2f}" for p, s in phases.items()))
+    engine_runs = size["runs"]["engine"]
+    phases = {p: statistics.mean(run["phases"][p] for run in engine_runs) for p in engine_runs[0]["phases"]}
+    print("  engine phases (mean s/step): " + ", ".join(f"{p} {s:.2f}" for p, s in sorted(phases.items())))
+    rounds = zip(size["runs"]["engine"], size["runs"]["trl"])
+    print("  speed-up per round (TRL / engine median s/step): "
+          + " ".join(f"{statistics.median(t['step_s']) / statistics.median(e['step_s']):.2f}" for e, t in rounds))
     print(f"  median s/step: engine {c['engine_s_per_step']:.2f}, TRL {c['trl_s_per_step']:.2f}  ->  "
           f"engine speed-up {c['speedup']:.2f}x TRL steps/s")
     print(f"  median peak RSS: engine {c['engine_peak_rss_mib']:.0f} MiB, TRL {c['trl_peak_rss_mib']:.0f} MiB  ->  "
