@@ -111,7 +111,7 @@ def render_summary(s: dict[str, Any], stores: dict[str, str], smoke: bool,
     rows = [
         ("reward (learned RM), start -> end", f"{num(train.get('reward_start'))} -> {num(train.get('reward_end'))}"),
         ("gold score (hidden rule, weight 0), start -> end", gold_score_trend(Path(s["output_dir"]) / "train")),
-        ("KL to the SFT policy at the end", num(train.get("kl_end"))),
+        ("KL to the SFT policy at the end (per token)", num(train.get("kl_end"))),
     ]
     for name in ("policy_vs_sft", "policy_vs_reference", "sft_vs_reference"):
         if r := ev.get(name):
