@@ -1,7 +1,7 @@
 """Side by side with TRL: TRL's RLOOTrainer and `rloo-engine train` on one locally built model, data and config.
 
     bash bench/setup_trl_venv.sh          # once: .venv-trl with torch (CPU), this project and TRL
-    python bench/vs_trl.py                # both default sizes, 2 rounds of A B (~10-15 min on 2 CPU cores)
+    python bench/vs_trl.py                # both default sizes, 2 rounds of A B (~11-16 min on 2 loaded CPU cores)
     python bench/vs_trl.py --sizes 256x4:2000 --rounds 3 --steps 5
 
 For each model size it builds, in a temporary directory and without downloading anything: a BPE
