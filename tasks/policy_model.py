@@ -52,7 +52,8 @@ def log_policy_model(
         "MLFLOW_EXPERIMENT_ID": experiment_id,
         "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
     }
-    with scoped_env(env), _quiet_mlflow_transformers(), _pipeline_classes_for_mlflow():
+    with scoped_env(env), _pinned_mlflow_uris(tracking_uri), _quiet_mlflow_transformers(), \
+            _pipeline_classes_for_mlflow():
         info = mlflow.transformers.log_model(
             checkpoint_dir,
             name="policy",
@@ -67,6 +68,24 @@ def log_policy_model(
             tags={**tags, "mlflow.note.content": description},  # the model page's description
         )
     return info.model_uri
+
+
+@contextmanager
+def _pinned_mlflow_uris(uri: str) -> Iterator[None]:
+    """MLflow's process-wide tracking and registry URIs, pinned to `uri` for the call.
+
+    `Model.log` prefers a URI set earlier with `mlflow.set_tracking_uri` (by anyone in the process,
+    e.g. a library or an earlier run) over the environment, and would log to that store instead.
+    """
+    from mlflow.tracking._model_registry import utils as registry_utils
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    saved = tracking_utils._tracking_uri, registry_utils._registry_uri
+    tracking_utils._tracking_uri, registry_utils._registry_uri = uri, uri
+    try:
+        yield
+    finally:
+        tracking_utils._tracking_uri, registry_utils._registry_uri = saved
 
 
 @contextmanager

@@ -48,3 +48,22 @@ def reward_model_other_tokenizer(tiny_dir) -> Path:
     """Path to a tiny reward model whose tokenizer (unigram, 400 tokens) differs from the policy's."""
     tok = tiny_models.train_tokenizer(style="unigram", vocab_size=400)
     return tiny_models.build_reward_model(tiny_dir / "rm_other", tok, arch="llama", seed=3)
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_uris_do_not_leak_between_tests():
+    """`mlflow.set_tracking_uri` is process-global and writes MLFLOW_TRACKING_URI; restore both after every test,
+    or a later test logs to (or looks models up in) an earlier test's deleted store."""
+    import sys
+
+    env = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+    globals_ = {("mlflow.tracking._tracking_service.utils", "_tracking_uri"): None,
+                ("mlflow.tracking._model_registry.utils", "_registry_uri"): None}
+    for module, attr in globals_:
+        globals_[module, attr] = getattr(sys.modules.get(module), attr, None)
+    yield
+    for k, v in env.items():
+        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    for (module, attr), value in globals_.items():
+        if module in sys.modules:
+            setattr(sys.modules[module], attr, value)
