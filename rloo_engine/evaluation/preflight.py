@@ -22,18 +22,18 @@ def check_judge(cfg: EvalConfig) -> JudgeTemplate | None:
     return template
 
 
+def load_eval_prompts(cfg: EvalConfig) -> list:
+    """The prompt set `cfg` names (file or dataset, split, columns, cap), as `EvalPrompt`s."""
+    return load_prompts(cfg.prompts, split=cfg.split, prompt_column=cfg.prompt_column,
+                        reference_column=cfg.reference_column, max_prompts=cfg.max_prompts)
+
+
 def check_inputs(cfg: EvalConfig) -> dict[str, int]:
     """What an evaluation needs besides the models, checked before anything expensive runs (the pipeline calls
     it before training): the judge (template, key, rule), the prompt set, the references and any completions
     files (format, duplicates, ids matching the prompts). Returns {side or "prompts": count}; raises ConfigError."""
     check_judge(cfg)
-    prompts = load_prompts(
-        cfg.prompts,
-        split=cfg.split,
-        prompt_column=cfg.prompt_column,
-        reference_column=cfg.reference_column,
-        max_prompts=cfg.max_prompts,
-    )
+    prompts = load_eval_prompts(cfg)
     ids = {ep.prompt_id for ep in prompts}
     counts = {"prompts": len(prompts)}
     if cfg.reference_column:

@@ -26,11 +26,11 @@ from rloo_engine.evaluation.checks import (
     report_warnings,
 )
 from rloo_engine.evaluation.config import PAIRINGS, EvalConfig
-from rloo_engine.evaluation.data import EvalPrompt, load_completions, load_prompts, prompt_text, save_completions
+from rloo_engine.evaluation.data import EvalPrompt, load_completions, prompt_text, save_completions
 from rloo_engine.evaluation.judges import build_judge
 from rloo_engine.evaluation.judges.base import Judgment, SlotPair
 from rloo_engine.evaluation.pairings import Order, PairItem, build_items, choose_pairings, combine_orders, winner
-from rloo_engine.evaluation.preflight import check_judge
+from rloo_engine.evaluation.preflight import check_judge, load_eval_prompts
 from rloo_engine.evaluation.report import EvalReport, Usage, write_report, write_table
 from rloo_engine.evaluation.scoring import JudgedItem, paired_difference, summarize_pairing
 from rloo_engine.evaluation.templates import JudgeTemplate
@@ -61,13 +61,7 @@ def run_evaluation(
     template = check_judge(cfg)  # a missing key or an unimportable rule fails now, not after generating
 
     # 1. prompts and completions of each side
-    prompts = load_prompts(
-        cfg.prompts,
-        split=cfg.split,
-        prompt_column=cfg.prompt_column,
-        reference_column=cfg.reference_column,
-        max_prompts=cfg.max_prompts,
-    )
+    prompts = load_eval_prompts(cfg)
     completions, completion_paths = collect_completions(cfg, prompts, out_dir)
     generated = time.perf_counter()
 
