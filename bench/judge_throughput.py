@@ -1,7 +1,7 @@
 """Judge throughput: 1,000 judgments at concurrency 32 against a local server with 100 ms latency per call.
 
 Prints elapsed / ideal, where ideal = 1000 x 0.1 s / 32 = 3.125 s (every slot busy all the time).
-Target: <= 1.2. The elapsed time is the judging stage of a real `run_evaluation` (openai client,
+Target: <= 1.2. The elapsed time is the judging stage of a real `run_evaluation` (the judge's aiohttp client,
 retries, rate limiter, budget guard, SQLite cache write per judgment, progress bookkeeping), on
 500 prompts x 2 orders. The fake server runs in its own process so that it does not compete with
 the client for the interpreter lock, as a real endpoint would not.

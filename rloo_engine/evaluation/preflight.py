@@ -16,7 +16,11 @@ def check_judge(cfg: EvalConfig) -> JudgeTemplate | None:
     template = load_template(cfg.judge.template) if cfg.judge.backend in ("openai", "hf") else None
     if cfg.judge.backend == "openai":
         read_api_key(cfg.judge)
-        import rloo_engine.evaluation.judges.openai_judge  # noqa: F401  (slow import, kept out of judging_s)
+        # Imported here so that their import time (aiohttp; openai for the Batch API, ~1 s) is not in judging_s.
+        import rloo_engine.evaluation.judges.openai_judge  # noqa: F401
+
+        if cfg.judge.mode == "batch":
+            import rloo_engine.evaluation.judges.openai_batch  # noqa: F401
     if cfg.judge.backend == "python":
         import_function(cfg.judge.function or "")
     return template

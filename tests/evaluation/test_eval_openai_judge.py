@@ -12,7 +12,6 @@ import pytest
 from rloo_engine.evaluation import JudgeEndpointError, run_evaluation
 from rloo_engine.evaluation.checks import UntrustworthyResultError
 from rloo_engine.evaluation.fake_openai_server import rate_limited, slow_first
-from rloo_engine.evaluation.judges import openai_judge
 from rloo_engine.evaluation.pairings import orders_for
 from tests.evaluation.eval_helpers import API_KEY
 
@@ -69,17 +68,7 @@ def test_single_order_mode_uses_a_seeded_order_per_prompt(fake_server, make_conf
     assert other_seed != [(row["order"],) for row in rows]
 
 
-@pytest.fixture(params=["aiohttp", "httpx"])
-def transport(request, monkeypatch):
-    """Runs a test over openai's aiohttp transport (used when installed) and its default httpx one."""
-    if request.param == "httpx":
-        monkeypatch.setattr(openai_judge, "_aiohttp_transport", lambda: None)
-    else:
-        pytest.importorskip("aiohttp")
-    return request.param
-
-
-def test_429_with_retry_after_is_retried_after_the_asked_delay(fake_server, make_config, transport):
+def test_429_with_retry_after_is_retried_after_the_asked_delay(fake_server, make_config):
     server = fake_server(lambda req: rate_limited(req, retry_after_s=0.3))
     report = run_evaluation(make_config(server, pairings=["policy_vs_reference"], max_prompts=3))
     r = report.pairings["policy_vs_reference"]
@@ -90,7 +79,7 @@ def test_429_with_retry_after_is_retried_after_the_asked_delay(fake_server, make
         assert times[1] - times[0] >= 0.28  # Retry-After honoured (the jittered backoff alone is ~0.01 s)
 
 
-def test_repeated_500s_end_as_counted_api_errors(fake_server, make_config, transport):
+def test_repeated_500s_end_as_counted_api_errors(fake_server, make_config):
     server = fake_server("server_error")
     with pytest.raises(UntrustworthyResultError) as err:  # no valid judgment: the run fails, with its counts
         run_evaluation(make_config(server, pairings=["policy_vs_reference"], max_prompts=3))
@@ -107,7 +96,7 @@ def test_repeated_500s_end_as_counted_api_errors(fake_server, make_config, trans
         assert db.execute("SELECT COUNT(*) FROM judgments").fetchone()[0] == 0
 
 
-def test_a_timeout_is_retried(fake_server, make_config, transport):
+def test_a_timeout_is_retried(fake_server, make_config):
     server = fake_server(lambda req: slow_first(req, delay_s=1.5))
     cfg = make_config(server, pairings=["policy_vs_reference"], max_prompts=2, judge={"timeout_s": 0.3})
     report = run_evaluation(cfg)
@@ -139,7 +128,7 @@ def test_a_reask_that_parses_gives_a_verdict(fake_server, make_config):
     assert r.first_slot_rate == 1.0  # the re-ask answers "A"
 
 
-def test_401_fails_fast_naming_endpoint_and_model_without_the_key(fake_server, make_config, transport):
+def test_401_fails_fast_naming_endpoint_and_model_without_the_key(fake_server, make_config):
     server = fake_server("unauthorized")
     with pytest.raises(JudgeEndpointError) as err:
         run_evaluation(make_config(server, judge={"max_concurrency": 2}))

@@ -1,19 +1,17 @@
-"""The `openai` judge: any OpenAI-compatible chat-completions endpoint, through the official async client.
+"""The `openai` judge: any OpenAI-compatible chat-completions endpoint.
 
-Requests go through the client's documented raw route, `client.post(f"{base_url}/chat/completions",
-body=..., cast_to=object)`: the same transport, authentication, timeouts and error classes as
-`client.chat.completions.create`, without building typed request and response objects for the two
-fields we read, over openai's aiohttp transport (`DefaultAioHttpClient`) when installed. Both cut
-the client's CPU per request, which is what limits throughput with 32 requests in flight (see
-bench/judge_throughput.py).
+Live requests go through `chat_http.ChatHTTPClient`, a thin aiohttp client (why: its docstring; the
+client's CPU per request is what limits throughput with 32 requests in flight, see
+bench/judge_throughput.py). The Batch API subclass (`openai_batch.py`) talks to Files and Batches
+through the official openai client, `self._client`, made on first use.
 
-The client's own retries are off (`max_retries=0`) so that every retry is visible and bounded here:
-429, 408/409, 5xx, timeouts and connection errors back off exponentially with jitter (honouring
-`Retry-After`) up to `max_attempts`, then the judgment is an `api_error`. 401, 403 and 404 raise
-`JudgeEndpointError` at once, since every other request would fail the same way. A semaphore bounds
-the requests in flight, and an optional limiter spaces them to a requests-per-minute rate.
+Every retry is visible and bounded here: 429, 408/409, 5xx, timeouts and connection errors back off
+exponentially with jitter (honouring `Retry-After`) up to `max_attempts`, then the judgment is an
+`api_error`. 401, 403 and 404 raise `JudgeEndpointError` at once, since every other request would
+fail the same way. A semaphore bounds the requests in flight, and an optional limiter spaces them
+to a requests-per-minute rate.
 
-The API key lives only inside the client; messages that might echo it are redacted.
+The API key lives only inside the clients; messages that might echo it are redacted.
 """
 
 from __future__ import annotations
@@ -22,18 +20,26 @@ import asyncio
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any
-
-import openai
+from typing import TYPE_CHECKING, Any
 
 from rloo_engine.evaluation.budget import SpendTracker
 from rloo_engine.evaluation.config import JudgeConfig
 from rloo_engine.evaluation.errors import BudgetExceededError, EvaluationError, JudgeEndpointError, redact
 from rloo_engine.evaluation.judges.base import Judge, Judgment, OnJudgment, SlotPair
+from rloo_engine.evaluation.judges.chat_http import (
+    ChatHTTPClient,
+    ConnectFailed,
+    ConnectionBroken,
+    HTTPStatusFailure,
+    RequestTimedOut,
+)
 from rloo_engine.evaluation.parsing import parse_verdict
 from rloo_engine.evaluation.ratelimit import RateLimiter
 from rloo_engine.evaluation.retry import FATAL_STATUS, RETRYABLE_STATUS, RetryPolicy, retry_after_seconds
 from rloo_engine.evaluation.templates import JudgeTemplate
+
+if TYPE_CHECKING:  # openai takes ~1 s to import; only the Batch API path needs it
+    import openai
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +72,12 @@ class OpenAIJudge(Judge):
         self._semaphore = asyncio.Semaphore(cfg.max_concurrency)
         self._limiter = RateLimiter(cfg.requests_per_minute)
         self._secret = api_key
-        self._client = openai.AsyncOpenAI(
-            base_url=self.base_url,
-            api_key=api_key or "EMPTY",
-            max_retries=0,
-            timeout=cfg.timeout_s,
-            http_client=_aiohttp_transport(),
+        self._api_key = api_key or "EMPTY"  # compatible servers without auth still get a well-formed header
+        self._timeout_s = cfg.timeout_s
+        self._http = ChatHTTPClient(
+            f"{self.base_url.rstrip('/')}/chat/completions", self._api_key, cfg.timeout_s, cfg.max_concurrency
         )
-        # An absolute URL: the client then skips merging a relative path into base_url on every request.
-        self._chat_url = f"{str(self._client.base_url).rstrip('/')}/chat/completions"
+        self._openai_client: "openai.AsyncOpenAI | None" = None
         # Set by the first budget stop or fatal endpoint error; no request starts after it.
         self._stopped: EvaluationError | None = None
         # Until the endpoint answers once, `connect_failure_limit` failed connections mean it is unreachable.
@@ -177,29 +180,26 @@ class OpenAIJudge(Judge):
                 self.spend.requests += 1
                 judgment.requests += 1
                 try:
-                    response = await self._client.post(self._chat_url, body=self._body(messages), cast_to=object)
-                except openai.APIStatusError as err:
+                    response = await self._http.post_json(self._body(messages))
+                except HTTPStatusFailure as err:
                     self._reached = True
                     status = err.status_code
                     if status in FATAL_STATUS:
-                        self._stopped = JudgeEndpointError(self._fatal_message(err))
+                        self._stopped = JudgeEndpointError(self._fatal_message(status, err.message))
                         raise self._stopped from None
-                    error = f"HTTP {status}: {redact(str(err.message), self._secret)[:300]}"
+                    error = f"HTTP {status}: {redact(err.message, self._secret)[:300]}"
                     if status not in RETRYABLE_STATUS:
                         judgment.status, judgment.error = "api_error", error
                         return None
-                    retry_after = retry_after_seconds(err.response.headers)
-                except openai.APITimeoutError as err:
-                    # openai's aiohttp transport reports a refused connection as a connect timeout (the httpx
-                    # class of whichever httpx package it wraps, hence the name check).
-                    if type(err.__cause__).__name__ == "ConnectTimeout":
-                        error = f"connection error: {redact(str(err.__cause__), self._secret)[:300]}"
-                        self._count_connect_failure(error)
-                    else:
-                        error = f"timed out after {self.timeout_s:g}s"
-                except openai.APIConnectionError as err:
+                    retry_after = retry_after_seconds(err.headers)
+                except RequestTimedOut:
+                    error = f"timed out after {self.timeout_s:g}s"
+                except ConnectFailed as err:
                     error = f"connection error: {redact(str(err), self._secret)[:300]}"
                     self._count_connect_failure(error)
+                except ConnectionBroken as err:
+                    self._reached = True
+                    error = f"connection error: {redact(str(err), self._secret)[:300]}"
                 else:
                     self._reached = True
                     # Text from the endpoint is stored (table, cache) and logged: never with the key in it.
@@ -259,20 +259,28 @@ class OpenAIJudge(Judge):
         judgment.prompt_tokens += prompt_tokens
         judgment.completion_tokens += completion_tokens
 
-    def _fatal_message(self, err: openai.APIStatusError) -> str:
-        detail = err.message
-        body = err.body
-        if isinstance(body, dict):
-            inner = body.get("error", body)
-            detail = inner.get("message", detail) if isinstance(inner, dict) else str(inner)
+    def _fatal_message(self, status: int, detail: str) -> str:
         detail = redact(str(detail), self._secret)[:300]
         return (
-            f"judge endpoint {self.base_url} refused model {self.model!r}: HTTP {err.status_code}: {detail} "
-            f"({_FATAL_HINTS[err.status_code]})"
+            f"judge endpoint {self.base_url} refused model {self.model!r}: HTTP {status}: {detail} "
+            f"({_FATAL_HINTS[status]})"
         )
 
+    @property
+    def _client(self) -> "openai.AsyncOpenAI":
+        """The official client, for the Batch API's Files and Batches calls (its own retries off: ours count)."""
+        if self._openai_client is None:
+            import openai
+
+            self._openai_client = openai.AsyncOpenAI(
+                base_url=self.base_url, api_key=self._api_key, max_retries=0, timeout=self._timeout_s
+            )
+        return self._openai_client
+
     async def aclose(self) -> None:
-        await self._client.close()
+        await self._http.aclose()
+        if self._openai_client is not None:
+            await self._openai_client.close()
 
 
 def _reply_text(response: Any) -> str | None:
@@ -288,20 +296,4 @@ def _finish_reason(response: Any) -> Any:
     try:
         return response["choices"][0].get("finish_reason")
     except (TypeError, KeyError, IndexError, AttributeError):
-        return None
-
-
-def _aiohttp_transport() -> Any:
-    """openai's aiohttp-backed HTTP client (the `openai[aiohttp]` extra), or None for the default httpx one.
-
-    openai recommends it for high concurrency: it needs ~40% less CPU per request than the httpx
-    transport, which at 32 requests in flight is what limits throughput (bench/judge_throughput.py).
-    Errors, timeouts and headers surface exactly as with httpx.
-    """
-    client_class = getattr(openai, "DefaultAioHttpClient", None)  # openai releases before mid-2025 lack it
-    if client_class is None:
-        return None
-    try:
-        return client_class()
-    except RuntimeError:  # openai installed without the aiohttp extra
         return None
