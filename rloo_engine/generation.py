@@ -15,6 +15,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from rloo_engine.algorithm import completion_mask
+from rloo_engine.sampling import TokenSampler
 
 
 @dataclass
@@ -109,24 +110,36 @@ class HFGenerationBackend:
     def sync_weights(self, model: torch.nn.Module) -> None:
         return None
 
+    @property
+    def own_sampler(self) -> bool:
+        """Whether tokens are drawn by `sampling.TokenSampler` (faster than HF's multinomial on CPU). Extra
+        generate kwargs may name warpers it does not apply (typical_p, epsilon/eta cutoffs), so with any of
+        them HF samples itself."""
+        return not self.params.extra
+
     def _generation_kwargs(self, num_return_sequences: int, recorder=None) -> dict[str, Any]:
         p = self.params
-        kwargs = dict(
-            do_sample=True,
+        kwargs: dict[str, Any] = dict(
             max_new_tokens=p.max_completion_length,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k or 0,
             repetition_penalty=p.repetition_penalty,
             pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=list(self.eos_ids),
             num_return_sequences=num_return_sequences,
         )
-        if p.min_p:
-            kwargs["min_p"] = p.min_p
-        kwargs.update(p.extra or {})
-        if recorder is not None:
-            kwargs["logits_processor"] = LogitsProcessorList([*kwargs.get("logits_processor", []), recorder])
+        processors = [recorder] if recorder is not None else []
+        if self.own_sampler:
+            # Greedy over the sampler's output draws the sampled token. HF's own warpers would then not run,
+            # so the model's generation_config cannot add a second temperature or top-p on top of ours.
+            assert num_return_sequences == 1, "greedy generate repeats no rows: pass G copies of each prompt"
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None, min_p=None)
+            processors.append(TokenSampler(p.temperature, p.top_k, p.top_p, p.min_p))
+        else:
+            kwargs.update(do_sample=True, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or 0)
+            if p.min_p:
+                kwargs["min_p"] = p.min_p
+            kwargs.update(p.extra or {})
+        if processors:
+            kwargs["logits_processor"] = LogitsProcessorList([*kwargs.get("logits_processor", []), *processors])
         return kwargs
 
     def tokenize_prompts(self, prompts: list[str], device: torch.device,
@@ -152,6 +165,10 @@ class HFGenerationBackend:
                 if self.shared_prefill and prompt_ids.size(1) > 1:
                     sequences = self._generate_shared_prefill(model, prompt_ids, prompt_mask, num_generations,
                                                               recorder)
+                elif self.own_sampler:
+                    sequences = model.generate(input_ids=prompt_ids.repeat_interleave(num_generations, 0),
+                                               attention_mask=prompt_mask.repeat_interleave(num_generations, 0),
+                                               **self._generation_kwargs(1, recorder))
                 else:
                     sequences = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
                                                **self._generation_kwargs(num_generations, recorder))

@@ -1,0 +1,71 @@
+"""Drawing each next token inside HF `generate` without `torch.multinomial`.
+
+Why: on CPU, `torch.multinomial` over a (16, 32000) probability matrix takes ~16 ms per call, as long
+as that decode step's whole LM-head matmul (bench/README.md). Inverse-CDF sampling in two levels
+(pick a block of 256 tokens by its mass, then a token inside it) draws from the same distribution,
+in float64, in ~1 ms. HF `generate` samples with multinomial whenever `do_sample=True`, so the
+backend runs it with `do_sample=False` and `TokenSampler` as the last logits processor: it applies
+the same warpers HF would (temperature, top-k, top-p, min-p, in HF's order), draws the token, and
+returns scores whose argmax is that token.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    LogitsProcessor,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+_BLOCK = 256
+
+
+def sample_categorical(probs: torch.Tensor, block: int = _BLOCK) -> torch.Tensor:
+    """One draw per row of `probs` (B, V), non-negative, rows not necessarily normalised -> (B,) int64.
+
+    Never returns a zero-probability index: each level picks the first entry whose cumulative mass
+    exceeds a uniform draw that is kept strictly below the total.
+    """
+    B, V = probs.shape
+    pad = (-V) % block
+    blocks = torch.nn.functional.pad(probs, (0, pad)).view(B, -1, block)  # (B, V / block, block)
+    block_mass = blocks.sum(-1, dtype=torch.float64)  # (B, nb)
+    cdf = block_mass.cumsum(-1)
+    total = cdf[:, -1:]
+    u = torch.minimum(torch.rand(B, 1, dtype=torch.float64, device=probs.device) * total,
+                      torch.nextafter(total, torch.zeros_like(total)))
+    b = torch.searchsorted(cdf, u, right=True)  # (B, 1)
+    inner = blocks.gather(1, b.unsqueeze(-1).expand(B, 1, block)).squeeze(1).double().cumsum(-1)  # (B, block)
+    # The offset inside the block, clamped against rounding between the two summation orders.
+    offset = (u - (cdf.gather(-1, b) - block_mass.gather(-1, b))).clamp(min=0.0)
+    offset = torch.minimum(offset, torch.nextafter(inner[:, -1:], torch.zeros_like(offset)))
+    j = torch.searchsorted(inner, offset, right=True)
+    return (b * block + j).squeeze(-1)
+
+
+class TokenSampler(LogitsProcessor):
+    """The last processor of a `do_sample=False` generate call that samples (see the module docstring).
+
+    `warpers` are applied to the scores before sampling, as HF's sampling mode would apply them.
+    """
+
+    def __init__(self, temperature: float, top_k: int | None, top_p: float, min_p: float | None):
+        self.warpers: list[LogitsProcessor] = []
+        if temperature != 1.0:
+            self.warpers.append(TemperatureLogitsWarper(temperature))
+        if top_k:
+            self.warpers.append(TopKLogitsWarper(top_k=top_k))
+        if top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p=top_p))
+        if min_p:
+            self.warpers.append(MinPLogitsWarper(min_p=min_p))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        tokens = sample_categorical(torch.softmax(scores.float(), dim=-1))
+        chosen = torch.full_like(scores, float("-inf"))
+        return chosen.scatter_(1, tokens.unsqueeze(-1), 0.0)
