@@ -54,7 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-length", type=int, default=64, help="prompt tokens in training (all exactly this long)")
     p.add_argument("--steps", type=int, default=10, help="measured optimizer steps")
     p.add_argument("--warmup-steps", type=int, default=2, help="optimizer steps run first and left out of the averages")
-    p.add_argument("--beta", type=float, default=0.05, help="KL coefficient; > 0 adds two log-prob forwards")
+    p.add_argument("--beta", type=float, default=0.05, help="KL coefficient; > 0 adds the reference forward")
+    p.add_argument("--sampling-logprobs", choices=("auto", "generation", "forward"), default="auto",
+                   help="the trainer's sampling_logprobs: `forward` adds a policy forward for the KL")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="weight dtype, also the matmul peak's")
     p.add_argument("--baseline-prompt-length", type=int, default=256, help="prompt tokens in the generation baseline")
@@ -155,6 +157,7 @@ def bench_config(args: argparse.Namespace, model_dir: Path, prompt_file: Path, o
         max_completion_length=args.max_completion_length,
         max_prompt_length=args.prompt_length,
         beta=args.beta,
+        sampling_logprobs=args.sampling_logprobs,
         learning_rate=1e-5,
         max_steps=args.warmup_steps + args.steps,
         logging_steps=1,
@@ -196,7 +199,7 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
     return {"total": total, "body": total - embed - (0 if tied else head), "head": head, "tied": tied}
 
 
-def step_flops(row: dict, args: argparse.Namespace, n: dict[str, int]) -> dict[str, float]:
+def step_flops(row: dict, args: argparse.Namespace, n: dict[str, int], ref_forwards: int) -> dict[str, float]:
     """Model FLOPs of one optimizer step, from its logged token counts (formula in bench/README.md).
 
     A forward over t tokens of which c need logits costs 2*N_body*t + 2*N_head*c; a forward+backward
@@ -205,7 +208,6 @@ def step_flops(row: dict, args: argparse.Namespace, n: dict[str, int]) -> dict[s
     completion = row["completions/mean_length"] * args.batch
     prompt = row["num_tokens"] - completion
     full_forward = 2 * n["body"] * (prompt + completion) + 2 * n["head"] * completion
-    ref_forwards = 2 if args.beta > 0 else 0  # old log-probs with the policy, then the reference
     return {
         # shared prefill: each prompt's tokens go through the model once, not G times
         "generation": 2 * n["body"] * (prompt / args.num_generations + completion) + 2 * n["head"] * completion,
@@ -263,13 +265,21 @@ def generation_baseline(model, tokenizer, prompts: list[str], args: argparse.Nam
 # ---------------------------------------------------------------- report
 
 
-def summarize(measured: list[dict], args: argparse.Namespace, n: dict[str, int]) -> dict:
+def reference_forwards(cfg: RLOOConfig) -> int:
+    """No-grad forwards per generation batch in the reference phase (on-policy, as the bench runs): the
+    reference model's if beta > 0, plus the policy's when its log-probs are not recorded while decoding."""
+    if cfg.beta == 0:
+        return 0
+    return 1 if cfg.logprobs_from_generation else 2
+
+
+def summarize(measured: list[dict], args: argparse.Namespace, n: dict[str, int], ref_forwards: int) -> dict:
     steps = len(measured)
     step_time = sum(r["step_time"] for r in measured) / steps
     phases = {}
     for name in PHASES:
         seconds = sum(r[f"timing/{name}_s"] for r in measured) / steps
-        flops = sum(step_flops(r, args, n)[name] for r in measured) / steps
+        flops = sum(step_flops(r, args, n, ref_forwards)[name] for r in measured) / steps
         phases[name] = {"seconds": seconds, "share": seconds / step_time, "flops": flops,
                         "flop_per_s": flops / seconds if seconds else 0.0}
     other = step_time - sum(p["seconds"] for p in phases.values())
@@ -299,7 +309,7 @@ def print_report(r: dict) -> None:
           f"{', tied' if n['tied'] else ''})")
     print(f"run       {a['device']} {a['dtype']} ({r['threads']} torch threads); {a['batch']} completions/step = "
           f"{a['batch'] // G} prompts x G={G}; prompt {a['prompt_length']} tok, "
-          f"<= {a['max_completion_length']} new tok; beta {a['beta']}")
+          f"<= {a['max_completion_length']} new tok; beta {a['beta']}, sampling_logprobs {a['sampling_logprobs']}")
     load = r["load_average_1min"]
     # "after" includes this run's own threads; a full core's worth of other work means contention.
     busy = load["before"] >= 1 or load["after"] >= r["threads"] + 1
@@ -328,8 +338,9 @@ def print_report(r: dict) -> None:
     print(f"achieved  {s['achieved_flop_per_s'] / 1e9:.2f} GFLOP/s = {s['achieved_flop_per_s'] / peak:.1%} of peak "
           f"(model FLOPs / step time)")
     print("formula   forward over t tokens, c of them predicted: 2*N_body*t + 2*N_head*c; forward+backward: 3x;")
-    print("          generation = 1 forward (prompt once per group of G); reference = 2 forwards if beta > 0 "
-          "(old + ref log-probs);")
+    ref = {0: "none (beta 0)", 1: "1 forward (reference; the policy's log-probs come from decoding)",
+           2: "2 forwards (policy + reference log-probs)"}[r["reference_forwards"]]
+    print(f"          generation = 1 forward (prompt once per group of G); reference = {ref};")
     print("          policy_update = 1 forward+backward; attention scores and padding not counted\n")
     b = r["baseline"]
     shared, repeated = b["shared_prefill"], b["num_return_sequences"]
@@ -378,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
         "vocab_size": len(tokenizer),
         "params": params,
-        "summary": summarize(measured, args, params),
+        "reference_forwards": reference_forwards(cfg),
+        "summary": summarize(measured, args, params, reference_forwards(cfg)),
         "memory": memory,
         "peak_flop_per_s": peak,
         "baseline": baseline,

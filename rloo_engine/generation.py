@@ -65,6 +65,14 @@ class SampledTokenLogProbs(LogitsProcessor):
         return torch.stack(self.logps, dim=1)
 
 
+# generate kwargs that only add logits processors or stopping rules: they work the same under TokenSampler.
+_PROCESSOR_KWARGS = frozenset({
+    "min_new_tokens", "min_length", "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens",
+    "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "sequence_bias", "stop_strings",
+    "logits_processor", "stopping_criteria", "exponential_decay_length_penalty", "max_time",
+})
+
+
 @dataclass
 class SamplingParams:
     max_completion_length: int
@@ -113,9 +121,9 @@ class HFGenerationBackend:
     @property
     def own_sampler(self) -> bool:
         """Whether tokens are drawn by `sampling.TokenSampler` (faster than HF's multinomial on CPU). Extra
-        generate kwargs may name warpers it does not apply (typical_p, epsilon/eta cutoffs), so with any of
-        them HF samples itself."""
-        return not self.params.extra
+        generate kwargs other than logits processors and stopping rules may name warpers it does not apply
+        (typical_p, epsilon/eta cutoffs, ...), so with any of those HF samples itself."""
+        return set(self.params.extra or {}) <= _PROCESSOR_KWARGS
 
     def _generation_kwargs(self, num_return_sequences: int, recorder=None) -> dict[str, Any]:
         p = self.params
@@ -133,6 +141,7 @@ class HFGenerationBackend:
             assert num_return_sequences == 1, "greedy generate repeats no rows: pass G copies of each prompt"
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None, min_p=None)
             processors.append(TokenSampler(p.temperature, p.top_k, p.top_p, p.min_p))
+            kwargs.update(p.extra or {})
         else:
             kwargs.update(do_sample=True, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or 0)
             if p.min_p:

@@ -2,8 +2,8 @@
 
 Why: on CPU, `torch.multinomial` over a (16, 32000) probability matrix takes ~16 ms per call, as long
 as that decode step's whole LM-head matmul (bench/README.md). Inverse-CDF sampling in two levels
-(pick a block of 256 tokens by its mass, then a token inside it) draws from the same distribution,
-in float64, in ~1 ms. HF `generate` samples with multinomial whenever `do_sample=True`, so the
+(pick a block of 256 tokens by its mass, then a token inside it) draws from the same distribution
+in ~1 ms. HF `generate` samples with multinomial whenever `do_sample=True`, so the
 backend runs it with `do_sample=False` and `TokenSampler` as the last logits processor: it applies
 the same warpers HF would (temperature, top-k, top-p, min-p, in HF's order), draws the token, and
 returns scores whose argmax is that token.
@@ -26,19 +26,25 @@ _BLOCK = 256
 def sample_categorical(probs: torch.Tensor, block: int = _BLOCK) -> torch.Tensor:
     """One draw per row of `probs` (B, V), non-negative, rows not necessarily normalised -> (B,) int64.
 
-    Never returns a zero-probability index: each level picks the first entry whose cumulative mass
-    exceeds a uniform draw that is kept strictly below the total.
+    Level 1 picks a block of `block` tokens by its mass (block sums in float32, about 1e-7 relative
+    error; their cumulative sum and the draw in float64); level 2 picks the token inside it. Neither
+    level copies the (B, V) matrix. Never returns a zero-probability index: each level takes the
+    first entry whose cumulative mass exceeds a uniform draw kept strictly below the total.
     """
+    probs = probs.contiguous()
     B, V = probs.shape
-    pad = (-V) % block
-    blocks = torch.nn.functional.pad(probs, (0, pad)).view(B, -1, block)  # (B, V / block, block)
-    block_mass = blocks.sum(-1, dtype=torch.float64)  # (B, nb)
+    full = V // block
+    mass = [probs.as_strided((B, full, block), (V, block, 1)).sum(-1)] if full else []
+    if V % block:
+        mass.append(probs[:, full * block:].sum(-1, keepdim=True))
+    block_mass = torch.cat(mass, -1).double() if len(mass) > 1 else mass[0].double()  # (B, ceil(V / block))
     cdf = block_mass.cumsum(-1)
     total = cdf[:, -1:]
     u = torch.minimum(torch.rand(B, 1, dtype=torch.float64, device=probs.device) * total,
                       torch.nextafter(total, torch.zeros_like(total)))
     b = torch.searchsorted(cdf, u, right=True)  # (B, 1)
-    inner = blocks.gather(1, b.unsqueeze(-1).expand(B, 1, block)).squeeze(1).double().cumsum(-1)  # (B, block)
+    index = b * block + torch.arange(block, device=probs.device)  # (B, block); past V in the last block
+    inner = torch.where(index < V, probs.gather(1, index.clamp(max=V - 1)), 0.0).double().cumsum(-1)
     # The offset inside the block, clamped against rounding between the two summation orders.
     offset = (u - (cdf.gather(-1, b) - block_mass.gather(-1, b))).clamp(min=0.0)
     offset = torch.minimum(offset, torch.nextafter(inner[:, -1:], torch.zeros_like(offset)))
