@@ -45,7 +45,7 @@ class RewardModelSource:
     """An `AutoModelForSequenceClassification` (num_labels=1) scoring prompt + completion with its own tokenizer.
 
     The text is rebuilt from strings and re-tokenized, so the reward model's tokenizer may differ
-    from the policy's. The score is read at the last real token of each row, found from the
+    from the policy's. Rows are batched longest first, so a batch pads to rows of similar length. The score is read at the last real token of each row, found from the
     attention mask, so it is the same with left or right padding and whatever the pad token is.
     """
 
@@ -95,17 +95,20 @@ class RewardModelSource:
         # A chat template writes its own special tokens; adding them again would double e.g. BOS.
         add_special = not is_conversational(prompts[0]) if prompts else True
         texts = [self.text(p, c) for p, c in zip(prompts, completions, strict=True)]
-        scores: list[float] = []
-        for start in range(0, len(texts), self.batch_size):
-            scores.extend(self._score_batch(texts[start : start + self.batch_size], add_special))
+        ids = self.tokenizer(texts, truncation=True, max_length=self.max_length,
+                             add_special_tokens=add_special)["input_ids"]
+        # Batches of similar lengths pad less: rows are scored longest first, then put back in order.
+        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+        scores = [0.0] * len(ids)
+        for start in range(0, len(order), self.batch_size):
+            rows = order[start : start + self.batch_size]
+            for row, score in zip(rows, self._score_batch([ids[i] for i in rows]), strict=True):
+                scores[row] = score
         return scores
 
     @torch.inference_mode()
-    def _score_batch(self, texts: list[str], add_special_tokens: bool) -> list[float]:
-        enc = self.tokenizer(
-            texts, padding=True, truncation=True, max_length=self.max_length,
-            add_special_tokens=add_special_tokens, return_tensors="pt",
-        ).to(self.device)
+    def _score_batch(self, ids: list[list[int]]) -> list[float]:
+        enc = self.tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(self.device)
         mask = enc["attention_mask"]  # (B, T)
         # Positions count real tokens only, so a left-padded row sees the positions it would unpadded.
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)

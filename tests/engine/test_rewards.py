@@ -312,3 +312,20 @@ def test_build_reward_sources_puts_reward_model_first(qwen2_model, reward_model)
     )
     assert torch.isfinite(result.per_source[:, 0]).all()  # the reward model scored both rows
     assert result.rewards.tolist() == [21.0, 20.0]  # its weight is 0.0
+
+
+def test_rows_are_batched_by_length_so_short_rows_are_not_padded_to_long_ones(reward_model):
+    rm = RewardModelSource(str(reward_model), batch_size=2)
+    long, short = "a quick brown fox jumps over the lazy dog " * 3, "the cat"
+    texts = [long, short, long, short]  # in this order, each batch would pad a short row to the long one
+    processed = []
+    handle = rm.model.register_forward_pre_hook(lambda module, args, kwargs: processed.append(kwargs["input_ids"].shape),
+                                                with_kwargs=True)
+    try:
+        scores = rm([""] * 4, texts)
+    finally:
+        handle.remove()
+    n_long, n_short = (len(rm.tokenizer(t)["input_ids"]) for t in (long, short))
+    assert sorted(processed) == sorted([(2, n_long), (2, n_short)])  # not two (2, n_long) batches
+    assert scores[0] == pytest.approx(scores[2]) and scores[1] == pytest.approx(scores[3])  # back in input order
+    assert scores[0] != pytest.approx(scores[1])
