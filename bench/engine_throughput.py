@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -176,18 +177,42 @@ def run_training(cfg: RLOOConfig, args: argparse.Namespace):
 
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    rss = {"before_loading": _max_rss_mib()}
     trainer = RLOOTrainer(cfg)
+    rss["models_loaded"] = _max_rss_mib()
     if trainer.acc.device.type != args.device:
         raise SystemExit(f"--device: {args.device}, but accelerate chose {trainer.acc.device}")
+    raised = watch_peak_by_phase(trainer)
     trainer.train()
     rows = [json.loads(line) for line in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
     measured = [r for r in rows if r["step"] > args.warmup_steps]
     if len(measured) != args.steps:
         raise SystemExit(f"metrics.jsonl: {len(measured)} measured steps; expected {args.steps}")
-    memory = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
+    memory = {"peak_rss_mib": _max_rss_mib(), "rss_high_water_mib": rss, "peak_raised_by_phase_mib": raised}
     if args.device == "cuda":
         memory["cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
     return trainer, measured, memory
+
+
+def _max_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def watch_peak_by_phase(trainer) -> dict[str, float]:
+    """Wraps the trainer's phase timer so that each phase adds how far it raised the process's RSS high-water
+    mark (MiB, summed over steps): the phases that set the peak, as opposed to memory that was merely in use."""
+    raised: dict[str, float] = defaultdict(float)
+    timed = trainer._timed
+
+    @contextmanager
+    def timed_and_watched(name: str):
+        before = _max_rss_mib()
+        with timed(name):
+            yield
+        raised[name] += _max_rss_mib() - before
+
+    trainer._timed = timed_and_watched
+    return raised
 
 
 def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
@@ -333,6 +358,11 @@ def print_report(r: dict) -> None:
     if "cuda_max_allocated_mib" in mem:
         cuda = f"; torch.cuda.max_memory_allocated {mem['cuda_max_allocated_mib']:.0f} MiB"
     print(f"memory    peak RSS {mem['peak_rss_mib']:.0f} MiB (whole process, incl. Python and torch){cuda}")
+    if "rss_high_water_mib" in mem:
+        hw, raised = mem["rss_high_water_mib"], mem["peak_raised_by_phase_mib"]
+        phases = ", ".join(f"{name} +{raised.get(name, 0.0):.0f}" for name in PHASES)
+        print(f"          high-water: {hw['before_loading']:.0f} MiB before the trainer (Python, torch, tokenizer "
+              f"training), {hw['models_loaded']:.0f} with models loaded; raised by {phases} MiB")
     print(f"peak      {a['dtype']} matmul {a['peak_size']}x{a['peak_size']}: {peak / 1e9:.2f} GFLOP/s "
           f"(sustained over {a['peak_seconds']:g} s in this run)")
     print(f"achieved  {s['achieved_flop_per_s'] / 1e9:.2f} GFLOP/s = {s['achieved_flop_per_s'] / peak:.1%} of peak "

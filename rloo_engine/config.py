@@ -147,6 +147,15 @@ class RLOOConfig(BaseModel):
         "ones), so step-1 KL would start above 0 and off-policy ratios away from 1. `auto` = `generation` "
         "in fp32 with the HF backend and no repetition penalty, else `forward`.",
     )
+    chunked_logprobs: bool = F(
+        False,
+        "Compute per-token log-probs from the final hidden states a chunk of positions at a time, recomputing "
+        "each chunk's logits in the backward pass, so the (batch, completion, vocabulary) logits never exist. "
+        "A memory lever that costs time: on 2 CPU cores, one update of 16 x 64 completion tokens on a hidden-512 "
+        "8-layer model took 230-320 MiB less peak RSS and ~0.8 s (20%) longer at 32k vocabulary, and 336 MiB "
+        "less and ~4 s (30%) longer at 152k. Not measured on GPU. Heads it cannot reproduce (LoRA on `lm_head`, "
+        "ZeRO-3, soft-capped or scaled logits) use the full logits anyway.",
+    )
     use_vllm: bool = F(
         False,
         "Generate with vLLM instead of HF `generate` (needs the `vllm` extra and a GPU). Weights are copied "

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from rloo_engine import algorithm as A
+from rloo_engine.logprobs import HeadInput, chunkable_head, chunked_token_log_probs
 
 
 @dataclass
@@ -56,31 +57,35 @@ def completion_token_logps(
     prompt_length: int,
     temperature: float,
     with_entropy: bool = False,
+    chunked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs of the completion part. input_ids, attention_mask: (B, P + T) -> (B, T) each.
 
-    Only the T completion positions' logits are computed by the LM head (`logits_to_keep`), so the
-    prompt never costs a vocabulary-sized projection.
+    Only the T completion positions reach the LM head (`logits_to_keep`), so the prompt never costs a
+    vocabulary-sized projection. With `chunked` (and a head it can reproduce, see `logprobs.py`) the
+    head runs in chunks of positions and the (B, T, V) logits never exist.
     """
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     completion_len = input_ids.size(1) - prompt_length
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        logits_to_keep=completion_len + 1,
-        use_cache=False,
-    ).logits
-    logits = logits[:, :-1]  # position t predicts token t + 1
-    return A.token_log_probs(logits, input_ids[:, prompt_length:], temperature, with_entropy)
+    tokens = input_ids[:, prompt_length:]
+    head = chunkable_head(model) if chunked else None
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                  logits_to_keep=completion_len + 1, use_cache=False)
+    if head is None:
+        logits = model(**kwargs).logits[:, :-1]  # position t predicts token t + 1
+        return A.token_log_probs(logits, tokens, temperature, with_entropy)
+    with HeadInput(head) as captured:
+        model(**kwargs)
+    return chunked_token_log_probs(captured.hidden[:, :-1], head, tokens, temperature, with_entropy)
 
 
 @torch.no_grad()
-def batched_token_logps(model, input_ids, attention_mask, prompt_length, temperature, batch_size) -> torch.Tensor:
+def batched_token_logps(model, input_ids, attention_mask, prompt_length, temperature, batch_size,
+                        chunked: bool = False) -> torch.Tensor:
     """No-grad `completion_token_logps` over a whole generation batch, `batch_size` rows at a time."""
     parts = [
         completion_token_logps(model, input_ids[i : i + batch_size], attention_mask[i : i + batch_size],
-                               prompt_length, temperature)[0]
+                               prompt_length, temperature, chunked=chunked)[0]
         for i in range(0, input_ids.size(0), batch_size)
     ]
     return torch.cat(parts)

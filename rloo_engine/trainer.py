@@ -188,13 +188,14 @@ class RLOOTrainer:
                     old_logps = rollout.sampling_logps  # recorded while decoding (sampling_logprobs)
                     if old_logps is None:
                         old_logps = batched_token_logps(self.policy, input_ids, attention_mask, P, c.temperature,
-                                                        c.per_device_train_batch_size)
+                                                        c.per_device_train_batch_size, c.chunked_logprobs)
                     if c.beta > 0:
                         # The prepared policy runs under accelerate's autocast; the reference must too, or
                         # bf16 rounding alone makes KL non-zero while the two models are identical.
                         with self.acc.autocast(), reference_context(self.acc.unwrap_model(self.policy), self.ref):
                             ref_logps = batched_token_logps(self.ref or self.policy, input_ids, attention_mask, P,
-                                                            c.temperature, c.per_device_train_batch_size)
+                                                            c.temperature, c.per_device_train_batch_size,
+                                                            c.chunked_logprobs)
                         token_kl = (old_logps - ref_logps) * mask
                         kl = token_kl.sum(-1)  # (N,) k1 sequence KL: what enters the reward
                         token_kl_mean = (token_kl.sum() / mask.sum().clamp(min=1)).item()  # TRL's `kl`
@@ -243,7 +244,8 @@ class RLOOTrainer:
         """Clipped sequence-ratio loss; on-policy the old log-probs are this forward's, detached (ratio == 1)."""
         c = self.cfg
         token_logps, entropy = completion_token_logps(self.policy, mb["input_ids"], mb["attention_mask"],
-                                                      mb["prompt_length"], c.temperature, with_entropy=True)
+                                                      mb["prompt_length"], c.temperature, with_entropy=True,
+                                                      chunked=c.chunked_logprobs)
         mask = mb["completion_mask"]
         old = mb["old_token_logps"] if mb["old_token_logps"] is not None else token_logps.detach()
         seq_logps = A.sequence_log_probs(token_logps, mask)
