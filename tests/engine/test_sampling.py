@@ -68,3 +68,24 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     for _ in range(300):
         kept.add(int(sampler(torch.zeros(1, 1, dtype=torch.long), logits.clone()).argmax()))
     assert kept == {0, 1}  # p = 0.66, 0.24, 0.09, ...: the first two reach 0.8
+
+
+def test_the_models_own_generation_config_adds_no_second_temperature_or_top_k(qwen2_model):
+    """Real chat models ship sampling defaults (Qwen2.5: temperature 0.7, top_k 20, top_p 0.8); the engine's
+    sampling parameters replace them, as they did when HF sampled."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rloo_engine.generation import HFGenerationBackend, SamplingParams
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(qwen2_model)
+    model.generation_config.update(do_sample=True, temperature=0.05, top_k=3, top_p=0.5, repetition_penalty=1.5)
+    tok = AutoTokenizer.from_pretrained(qwen2_model)
+    backend = HFGenerationBackend(lambda: model, tok, SamplingParams(1, temperature=1.0), record_logps=True)
+    rollout = backend.generate(["the cat sat on"], 2000)
+    first = rollout.completion_ids[:, 0]
+    logits = model(**tok(["the cat sat on"], return_tensors="pt")).logits[0, -1].detach()
+    probs = torch.softmax(logits.double(), -1)  # temperature 1, no top-k/top-p: the engine's parameters
+    _assert_matches(_frequencies(first, probs.numel()), probs, first.numel())
+    assert first.unique().numel() > 3  # the model's top_k=3 did not apply
+    assert torch.allclose(rollout.sampling_logps[:, 0], probs.log()[first].float(), atol=1e-5)
