@@ -57,6 +57,17 @@ class Page:
         return result["result"].get("value")
 
 
+def wait_until(page, expression: str, timeout: float, failure: str) -> bool:
+    """Evaluates `expression` once a second until it is truthy; False (and `failure` on stderr) after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not page.evaluate(expression):
+        if time.monotonic() > deadline:
+            print(f"cdp_screenshot: {failure} after {timeout:.0f} s", file=sys.stderr)
+            return False
+        time.sleep(1)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("url")
@@ -95,22 +106,15 @@ def main(argv: list[str] | None = None) -> int:
         page.call("Page.navigate", url=args.url)
         time.sleep(args.wait)
         if args.wait_text:
-            deadline = time.monotonic() + args.timeout
             has_text = f"document.body && document.body.innerText.includes({json.dumps(args.wait_text)})"
-            while not page.evaluate(has_text):
-                if time.monotonic() > deadline:
-                    print(f"cdp_screenshot: {args.wait_text!r} not on the page after {args.timeout:.0f} s", file=sys.stderr)
-                    return 1
-                time.sleep(1)
+            if not wait_until(page, has_text, args.timeout, f"{args.wait_text!r} not on the page"):
+                return 1
             time.sleep(args.wait)
         for selector in args.click:
             click = f"(() => {{ const e = document.querySelector({json.dumps(selector)}); if (e) e.click(); return !!e; }})()"
-            deadline = time.monotonic() + args.timeout  # a first page load compiles the whole UI bundle
-            while not page.evaluate(click):
-                if time.monotonic() > deadline:
-                    print(f"cdp_screenshot: nothing matches {selector} after {args.timeout:.0f} s", file=sys.stderr)
-                    return 1
-                time.sleep(1)
+            # A first page load compiles the whole UI bundle, hence the retries.
+            if not wait_until(page, click, args.timeout, f"nothing matches {selector}"):
+                return 1
             time.sleep(args.wait)
         shot = page.call("Page.captureScreenshot", format="png")
         Path(args.out).write_bytes(base64.b64decode(shot["data"]))

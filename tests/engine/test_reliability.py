@@ -213,13 +213,20 @@ def test_fresh_start_after_a_crash_before_the_first_checkpoint_writes_each_step_
     assert completion_steps(out) == ([1, 2, 3, 4], 4 * 8)
 
 
-def test_standalone_resume_continues_one_mlflow_run_with_each_step_once(tmp_path, qwen2_model, monkeypatch):
+def standalone_mlflow(tmp_path, monkeypatch, experiment: str) -> str:
+    """A SQLite MLflow store with `experiment`, named in the environment as a standalone engine run sees it
+    (no parent run); returns its URI."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    mlflow.MlflowClient(uri).create_experiment("standalone", artifact_location=str(tmp_path / "artifacts"))
+    mlflow.MlflowClient(uri).create_experiment(experiment, artifact_location=str(tmp_path / "artifacts"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "standalone")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", experiment)
     monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    return uri
+
+
+def test_standalone_resume_continues_one_mlflow_run_with_each_step_once(tmp_path, qwen2_model, monkeypatch):
+    uri = standalone_mlflow(tmp_path, monkeypatch, "standalone")
     common = dict(max_steps=5, save_steps=2, log_completions=True)
     monkeypatch.setenv(CRASH_ENV, "3")  # dies after step 3; checkpoint-2 is the newest
     with pytest.raises(SystemExit):
@@ -242,12 +249,7 @@ def test_standalone_resume_continues_one_mlflow_run_with_each_step_once(tmp_path
 
 def test_a_fresh_run_marks_a_dead_runs_mlflow_run_failed(tmp_path, qwen2_model, monkeypatch):
     """A run killed outright leaves its MLflow run RUNNING; the next run in that directory ends it."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    mlflow.MlflowClient(uri).create_experiment("dead", artifact_location=str(tmp_path / "artifacts"))
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "dead")
-    monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
-    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    uri = standalone_mlflow(tmp_path, monkeypatch, "dead")
     cfg = tiny_config(tmp_path, qwen2_model, max_steps=2)
     cfg_file = write_config(cfg, tmp_path / "cfg.yaml")
     env = engine_env(MLFLOW_TRACKING_URI=uri, MLFLOW_EXPERIMENT_NAME="dead", RLOO_ENGINE_KILL_AT="1:logged")

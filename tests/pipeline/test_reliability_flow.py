@@ -2,34 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 
 import psutil
 import pytest
 
-from tests.pipeline.test_retry_and_cancel import _alive, _training_processes
+from tests.pipeline.test_retry_and_cancel import _alive, start_long_training
 
 pytestmark = pytest.mark.slow
 
 
 def test_sigkill_of_the_flow_run_process_ends_training_and_its_mlflow_runs(deployed):
-    overrides = {"train.max_steps": 5000, "train.save_steps": 0, "tracking.registered_model": "tiny-policy-sigkill"}
-    flow_run_id, _ = deployed.run(
-        "rlhf-pipeline/on-demand", "--param", f"overrides={json.dumps(overrides)}", watch=False
-    )
+    flow_run_id, procs = start_long_training(deployed, "tiny-policy-sigkill")
     client = deployed.services.mlflow()
-    deadline = time.monotonic() + 240
-    procs: list[psutil.Process] = []
-    while time.monotonic() < deadline:
-        runs = deployed.mlflow_runs(flow_run_id)
-        procs = _alive(_training_processes(flow_run_id))
-        if "train" in runs and procs and client.get_metric_history(runs["train"].info.run_id, "reward"):
-            break
-        time.sleep(1)
-    else:
-        raise AssertionError(f"training never started:\n{deployed.logs(flow_run_id)}\n{deployed.worker.log_tail(80)}")
     launcher = next(p for p in procs if "accelerate" in " ".join(p.cmdline()) and "launch" in p.cmdline())
     flow_process = psutil.Process(launcher.ppid())  # the flow-run process the worker started
     assert flow_process.pid != deployed.worker.proc.pid

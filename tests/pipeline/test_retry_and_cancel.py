@@ -60,24 +60,27 @@ def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return alive
 
 
-def test_cancelling_during_training_kills_the_process_group_and_marks_the_run_killed(deployed):
-    overrides = {"train.max_steps": 5000, "train.save_steps": 0, "tracking.registered_model": "tiny-policy-cancel"}
+def start_long_training(deployed, registered_model: str) -> tuple[str, list[psutil.Process]]:
+    """Starts a 5000-step pipeline run without waiting for it; returns (flow run id, its live training
+    processes) once the engine is training: its processes exist and it has logged a reward to MLflow."""
+    overrides = {"train.max_steps": 5000, "train.save_steps": 0, "tracking.registered_model": registered_model}
     flow_run_id, _ = deployed.run(
         "rlhf-pipeline/on-demand", "--param", f"overrides={json.dumps(overrides)}", watch=False
     )
-
-    # Wait until the engine is training: its processes exist and it has logged a reward to MLflow.
     client = deployed.services.mlflow()
     deadline = time.monotonic() + 240
-    procs: list[psutil.Process] = []
     while time.monotonic() < deadline:
         runs = deployed.mlflow_runs(flow_run_id)
         procs = _alive(_training_processes(flow_run_id))
         if "train" in runs and procs and client.get_metric_history(runs["train"].info.run_id, "reward"):
-            break
+            return flow_run_id, procs
         time.sleep(1)
-    else:
-        raise AssertionError(f"training never started:\n{deployed.logs(flow_run_id)}\n{deployed.worker.log_tail(80)}")
+    raise AssertionError(f"training never started:\n{deployed.logs(flow_run_id)}\n{deployed.worker.log_tail(80)}")
+
+
+def test_cancelling_during_training_kills_the_process_group_and_marks_the_run_killed(deployed):
+    flow_run_id, procs = start_long_training(deployed, "tiny-policy-cancel")
+    client = deployed.services.mlflow()
     assert len(procs) >= 2, "expected the accelerate launcher and the engine process"
     groups = {os.getpgid(p.pid) for p in procs}
     assert len(groups) == 1 and groups != {os.getpgid(deployed.worker.proc.pid)}, "training runs in its own group"
