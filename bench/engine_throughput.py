@@ -411,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         params = parameter_counts(model)
         peak = matmul_peak(args.device, DTYPES[args.dtype], args.peak_size, args.peak_seconds)
         baseline = generation_baseline(model, trainer.tokenizer, baseline_prompts, args)
+    ref_forwards = reference_forwards(cfg)
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -419,8 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
         "vocab_size": len(tokenizer),
         "params": params,
-        "reference_forwards": reference_forwards(cfg),
-        "summary": summarize(measured, args, params, reference_forwards(cfg)),
+        "reference_forwards": ref_forwards,
+        "summary": summarize(measured, args, params, ref_forwards),
         "memory": memory,
         "peak_flop_per_s": peak,
         "baseline": baseline,

@@ -141,12 +141,11 @@ class HFGenerationBackend:
             assert num_return_sequences == 1, "greedy generate repeats no rows: pass G copies of each prompt"
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None, min_p=None)
             processors.append(TokenSampler(p.temperature, p.top_k, p.top_p, p.min_p))
-            kwargs.update(p.extra or {})
         else:
             kwargs.update(do_sample=True, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or 0)
             if p.min_p:
                 kwargs["min_p"] = p.min_p
-            kwargs.update(p.extra or {})
+        kwargs.update(p.extra or {})
         if processors:
             kwargs["logits_processor"] = LogitsProcessorList([*kwargs.get("logits_processor", []), *processors])
         return kwargs
@@ -174,13 +173,12 @@ class HFGenerationBackend:
                 if self.shared_prefill and prompt_ids.size(1) > 1:
                     sequences = self._generate_shared_prefill(model, prompt_ids, prompt_mask, num_generations,
                                                               recorder)
-                elif self.own_sampler:
-                    sequences = model.generate(input_ids=prompt_ids.repeat_interleave(num_generations, 0),
-                                               attention_mask=prompt_mask.repeat_interleave(num_generations, 0),
-                                               **self._generation_kwargs(1, recorder))
                 else:
-                    sequences = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
-                                               **self._generation_kwargs(num_generations, recorder))
+                    # Greedy generate (our sampler) repeats no rows itself; HF sampling does, num_return_sequences.
+                    copies = num_generations if self.own_sampler else 1
+                    sequences = model.generate(input_ids=prompt_ids.repeat_interleave(copies, 0),
+                                               attention_mask=prompt_mask.repeat_interleave(copies, 0),
+                                               **self._generation_kwargs(num_generations // copies, recorder))
         finally:
             model.train(was_training)
         prompt_ids = prompt_ids.repeat_interleave(num_generations, 0)

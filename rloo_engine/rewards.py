@@ -45,7 +45,8 @@ class RewardModelSource:
     """An `AutoModelForSequenceClassification` (num_labels=1) scoring prompt + completion with its own tokenizer.
 
     The text is rebuilt from strings and re-tokenized, so the reward model's tokenizer may differ
-    from the policy's. Rows are batched longest first, so a batch pads to rows of similar length. The score is read at the last real token of each row, found from the
+    from the policy's. Rows are batched longest first, so a batch pads to rows of similar length.
+    The score is read at the last real token of each row, found from the
     attention mask, so it is the same with left or right padding and whatever the pad token is.
     """
 

@@ -37,7 +37,7 @@ def sample_categorical(probs: torch.Tensor, block: int = _BLOCK) -> torch.Tensor
     mass = [probs.as_strided((B, full, block), (V, block, 1)).sum(-1)] if full else []
     if V % block:
         mass.append(probs[:, full * block:].sum(-1, keepdim=True))
-    block_mass = torch.cat(mass, -1).double() if len(mass) > 1 else mass[0].double()  # (B, ceil(V / block))
+    block_mass = torch.cat(mass, -1).double()  # (B, ceil(V / block))
     cdf = block_mass.cumsum(-1)
     total = cdf[:, -1:]
     u = torch.minimum(torch.rand(B, 1, dtype=torch.float64, device=probs.device) * total,

@@ -57,6 +57,10 @@ class OpenAIBatchJudge(OpenAIJudge):
         self, cfg: JudgeConfig, template: JudgeTemplate, spend: SpendTracker, api_key: str | None, store: JudgmentCache
     ):
         super().__init__(cfg, template, spend, api_key)
+        # The official client for the Files and Batches calls (few per batch); its retries off, ours count.
+        self._client = openai.AsyncOpenAI(
+            base_url=self.base_url, api_key=api_key or "EMPTY", max_retries=0, timeout=cfg.timeout_s
+        )
         self.store = store
         self.poll_initial_s, self.poll_max_s = cfg.batch_poll_initial_s, cfg.batch_poll_max_s
         self.completion_window = cfg.batch_completion_window
@@ -69,6 +73,10 @@ class OpenAIBatchJudge(OpenAIJudge):
 
     def __repr__(self) -> str:
         return f"OpenAIBatchJudge(model={self.model!r}, base_url={self.base_url!r})"
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        await self._client.close()
 
     def run_info(self) -> dict[str, Any]:
         return {"mode": "batch", "batch_ids": list(self.batch_ids), "rows": dict(sorted(self.counts.items()))}

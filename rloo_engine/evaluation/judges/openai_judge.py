@@ -3,7 +3,7 @@
 Live requests go through `chat_http.ChatHTTPClient`, a thin aiohttp client (why: its docstring; the
 client's CPU per request is what limits throughput with 32 requests in flight, see
 bench/judge_throughput.py). The Batch API subclass (`openai_batch.py`) talks to Files and Batches
-through the official openai client, `self._client`, made on first use.
+through the official openai client.
 
 Every retry is visible and bounded here: 429, 408/409, 5xx, timeouts and connection errors back off
 exponentially with jitter (honouring `Retry-After`) up to `max_attempts`, then the judgment is an
@@ -20,7 +20,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rloo_engine.evaluation.budget import SpendTracker
 from rloo_engine.evaluation.config import JudgeConfig
@@ -37,9 +37,6 @@ from rloo_engine.evaluation.parsing import parse_verdict
 from rloo_engine.evaluation.ratelimit import RateLimiter
 from rloo_engine.evaluation.retry import FATAL_STATUS, RETRYABLE_STATUS, RetryPolicy, retry_after_seconds
 from rloo_engine.evaluation.templates import JudgeTemplate
-
-if TYPE_CHECKING:  # openai takes ~1 s to import; only the Batch API path needs it
-    import openai
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +69,10 @@ class OpenAIJudge(Judge):
         self._semaphore = asyncio.Semaphore(cfg.max_concurrency)
         self._limiter = RateLimiter(cfg.requests_per_minute)
         self._secret = api_key
-        self._api_key = api_key or "EMPTY"  # compatible servers without auth still get a well-formed header
-        self._timeout_s = cfg.timeout_s
+        # "EMPTY": compatible servers without auth still get a well-formed header.
         self._http = ChatHTTPClient(
-            f"{self.base_url.rstrip('/')}/chat/completions", self._api_key, cfg.timeout_s, cfg.max_concurrency
+            f"{self.base_url.rstrip('/')}/chat/completions", api_key or "EMPTY", cfg.timeout_s, cfg.max_concurrency
         )
-        self._openai_client: "openai.AsyncOpenAI | None" = None
         # Set by the first budget stop or fatal endpoint error; no request starts after it.
         self._stopped: EvaluationError | None = None
         # Until the endpoint answers once, `connect_failure_limit` failed connections mean it is unreachable.
@@ -266,21 +261,8 @@ class OpenAIJudge(Judge):
             f"({_FATAL_HINTS[status]})"
         )
 
-    @property
-    def _client(self) -> "openai.AsyncOpenAI":
-        """The official client, for the Batch API's Files and Batches calls (its own retries off: ours count)."""
-        if self._openai_client is None:
-            import openai
-
-            self._openai_client = openai.AsyncOpenAI(
-                base_url=self.base_url, api_key=self._api_key, max_retries=0, timeout=self._timeout_s
-            )
-        return self._openai_client
-
     async def aclose(self) -> None:
         await self._http.aclose()
-        if self._openai_client is not None:
-            await self._openai_client.close()
 
 
 def _reply_text(response: Any) -> str | None:
