@@ -37,7 +37,7 @@ import torch
 
 from rloo_engine.config import RLOOConfig
 from rloo_engine.generation import HFGenerationBackend, SamplingParams
-from rloo_engine.tiny_models import build_causal_lm, train_tokenizer
+from rloo_engine.testing.tiny_models import build_causal_lm, train_tokenizer
 
 PHASES = ("generation", "reward", "reference", "policy_update")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

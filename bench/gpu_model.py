@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from rloo_engine import tiny_models
+from rloo_engine.testing import tiny_models
 
 
 def build(out: Path) -> Path:

@@ -56,7 +56,7 @@ def write_eval_set(root: Path, n_prompts: int) -> tuple[Path, Path]:
 
 def start_server(latency_s: float) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rloo_engine.evaluation.fake_openai_server", "--latency", str(latency_s)],
+        [sys.executable, "-m", "rloo_engine.testing.fake_openai_server", "--latency", str(latency_s)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

@@ -93,7 +93,7 @@ def build_assets(root: Path, hidden: int, layers: int, vocab: int, args: argpars
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Qwen2Config
 
     from bench.engine_throughput import _stdout_silenced, pseudo_words, sentences
-    from rloo_engine.tiny_models import train_tokenizer
+    from rloo_engine.testing.tiny_models import train_tokenizer
 
     rng = random.Random(args.seed)
     words = pseudo_words(max(4 * vocab, 1000), rng)

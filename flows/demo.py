@@ -71,7 +71,7 @@ def demo_config(assets, home: Path, smoke: bool) -> dict[str, Any]:
         "train": {**train, "disable_tqdm": False},
         "launch": {"profile": "cpu", "retries": 1, "retry_delay_seconds": 0, "env": dict(settings.DEMO_LAUNCH_ENV)},
         "evaluation": {
-            "judge": {"backend": "python", "function": "rloo_engine.demo.task:gold_judge"},
+            "judge": {"backend": "python", "function": "rloo_engine.demo.toy_task:gold_judge"},
             "num_samples": 16 if smoke else 192,
             "generation": settings.SMOKE_EVAL_GENERATION if smoke else settings.DEMO_EVAL_GENERATION,
             "progress": True,
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     from prefect.artifacts import create_markdown_artifact
 
     from flows.rlhf_pipeline import rlhf_pipeline
-    from tasks.config import build_pipeline_config
+    from rloo_engine.pipeline.config import build_pipeline_config
 
     @flow(name="rloo-demo", log_prints=False)
     def rloo_demo(cfg_values: dict[str, Any]) -> str:

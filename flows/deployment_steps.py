@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.config import PipelineConfig
+from rloo_engine.pipeline.config import PipelineConfig
 
 
 def load_pipeline_config(path: str) -> dict[str, Any]:

@@ -13,13 +13,13 @@ from typing import Any
 
 from prefect import flow
 
-from tasks.config import PipelineConfig
+from rloo_engine.pipeline.config import PipelineConfig
+from rloo_engine.pipeline.tracking import end_runs_of_crashed_flow_run, run_status
 from tasks.datasets import log_stage_input, record_prompt_sets
 from tasks.evaluate import evaluate_win_rate
 from tasks.ingest import ingest_policy_checkpoint, ingest_sft_checkpoint
 from tasks.run_setup import open_pipeline_run
 from tasks.summary import publish_failure_summary, publish_summary
-from tasks.tracking import end_runs_of_crashed_flow_run, run_status
 
 TITLE = "Policy evaluation"
 
@@ -54,7 +54,7 @@ def evaluate_policy(
 
 
 if __name__ == "__main__":
-    from flows.cli import run_from_command_line
+    from flows.command_line import run_from_command_line
 
     sys.exit(
         run_from_command_line(evaluate_policy, sys.argv[1:], prog="python -m flows.evaluate_policy", with_policy=True)

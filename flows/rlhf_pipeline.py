@@ -15,15 +15,15 @@ from typing import Any
 
 from prefect import flow
 
-from tasks.config import PipelineConfig
+from rloo_engine.pipeline.config import PipelineConfig
+from rloo_engine.pipeline.tracking import end_runs_of_crashed_flow_run, run_status
 from tasks.datasets import log_stage_input, record_prompt_sets
 from tasks.evaluate import check_evaluation_inputs, evaluate_win_rate
 from tasks.ingest import ingest_sft_checkpoint
 from tasks.registry import register_policy
-from tasks.reward import load_reward_model
+from tasks.reward_check import load_reward_model
 from tasks.run_setup import open_pipeline_run
 from tasks.summary import publish_failure_summary, publish_summary
-from tasks.tracking import end_runs_of_crashed_flow_run, run_status
 from tasks.train import train_rloo
 
 TITLE = "RLHF pipeline"
@@ -70,6 +70,6 @@ def rlhf_pipeline(cfg: PipelineConfig, overrides: dict[str, Any] | None = None) 
 
 
 if __name__ == "__main__":
-    from flows.cli import run_from_command_line
+    from flows.command_line import run_from_command_line
 
     sys.exit(run_from_command_line(rlhf_pipeline, sys.argv[1:], prog="python -m flows.rlhf_pipeline"))

@@ -21,15 +21,16 @@ import shutil
 import struct
 import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from safetensors.torch import load_file
 
-from rloo_engine.config import ConfigError
+from rloo_engine.config_base import ConfigError
 from rloo_engine.fault_injection import maybe_kill
 
 _CKPT = re.compile(r"^checkpoint-(\d+)$")

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from rloo_engine.argparsing import StrictArgumentParser
-from rloo_engine.config import ConfigError, RLOOConfig, build_config, load_yaml
+from rloo_engine.config import RLOOConfig, build_config
+from rloo_engine.config_base import ConfigError, load_yaml
 
 # Each command with the line `rloo-engine --help` shows for it.
 COMMANDS = {
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             from rloo_engine.evaluation.cli import main as evaluate_main
 
             return evaluate_main(rest)
-        from rloo_engine.tiny_models import tiny_assets_main
+        from rloo_engine.testing.tiny_models import tiny_assets_main
 
         return tiny_assets_main(rest)
     except ConfigError as err:

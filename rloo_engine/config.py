@@ -1,7 +1,7 @@
 """RLOOConfig: the engine's typed, validated option set, with TRL's RLOOConfig names and meanings.
 
 Every field is documented where it is declared; `docs/configuration.md` is generated from these
-descriptions (`python -m rloo_engine.config_docs`), so the reference cannot drift.
+descriptions (`python scripts/config_reference.py`; a test fails when it is stale), so the reference cannot drift.
 """
 
 from __future__ import annotations
@@ -11,22 +11,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AliasChoices, model_validator
+
+from rloo_engine.config_base import ConfigError, F, StrictModel, validated
 
 
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field, the value and what was expected."""
-
-
-def F(default: Any, doc: str, **kw: Any) -> Any:
-    """A documented field: `doc` says what it means, why the default, and when to change it."""
-    return Field(default, description=doc, **kw)
-
-
-class RLOOConfig(BaseModel):
+class RLOOConfig(StrictModel):
     """All options of `rloo-engine train`. Names follow TRL's RLOOConfig / `trl rloo` script arguments."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
 
     # ---------------------------------------------------------------- model, reward and data
     model_name_or_path: str = F(
@@ -234,7 +225,7 @@ class RLOOConfig(BaseModel):
 
     # ---------------------------------------------------------------- validation
     @model_validator(mode="after")
-    def _check(self) -> "RLOOConfig":
+    def _check(self) -> RLOOConfig:
         g = self.num_generations
         if g < 2:
             raise ValueError(
@@ -370,41 +361,9 @@ _SCHEDULERS = {
 }
 
 
-def format_validation_error(err: ValidationError, source: str = "RLOOConfig") -> str:
-    """One line per problem: `<source>: <field>: <message> (got <value>)`."""
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "config"
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown option; check the spelling against docs/configuration.md"
-        elif e["type"] == "missing":
-            msg = "required option is missing"
-        got = f" (got {e['input']!r})" if e["type"] not in ("missing", "value_error") and "input" in e else ""
-        lines.append(f"{source}: {loc}: {msg}{got}" if loc != "config" else f"{source}: {msg}")
-    return "\n".join(lines)
-
-
 def build_config(values: dict[str, Any], source: str = "RLOOConfig") -> RLOOConfig:
     """Validates `values` into an RLOOConfig, raising ConfigError with every problem named."""
-    try:
-        return RLOOConfig.model_validate(values)
-    except ValidationError as err:
-        raise ConfigError(format_validation_error(err, source)) from None
-
-
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Reads a YAML mapping, with errors naming the file."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--config: {p} does not exist or is not a file; expected a YAML config file")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"--config: {p} is not valid YAML: {err}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config: {p} holds a {type(data).__name__}; expected a mapping of option: value")
-    return data
+    return validated(RLOOConfig, values, source)
 
 
 def save_config(cfg: RLOOConfig, path: str | Path) -> Path:

@@ -9,7 +9,7 @@ import datasets
 import pyarrow.compute as pc
 import torch
 
-from rloo_engine.config import ConfigError
+from rloo_engine.config_base import ConfigError
 
 # Builder name of each data-file suffix `datasets.load_dataset` understands.
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}

@@ -19,7 +19,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
-from rloo_engine.config import ConfigError, RLOOConfig
+from rloo_engine.config import RLOOConfig
+from rloo_engine.config_base import ConfigError
 
 
 class LaunchError(ConfigError):

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from rloo_engine.algorithm import completion_mask

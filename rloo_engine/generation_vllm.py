@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from rloo_engine.algorithm import completion_mask
-from rloo_engine.config import ConfigError
+from rloo_engine.config_base import ConfigError
 from rloo_engine.generation import Rollout, SamplingParams
 
 

@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-
 RUN_FILE = "mlflow_run.json"
 STEP_MARKER = "epoch"  # logged at every logging step: its history says which steps MLflow already has
 

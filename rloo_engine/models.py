@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
-from rloo_engine.config import ConfigError, RLOOConfig
+from rloo_engine.config import RLOOConfig
+from rloo_engine.config_base import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 

@@ -46,7 +46,7 @@ class GenerationBatch:
         return {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in asdict(self).items()}
 
     @classmethod
-    def from_state_dict(cls, state: dict[str, Any], device: torch.device) -> "GenerationBatch":
+    def from_state_dict(cls, state: dict[str, Any], device: torch.device) -> GenerationBatch:
         return cls(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in state.items()})
 
 

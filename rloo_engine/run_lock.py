@@ -14,11 +14,11 @@ import socket
 import time
 from pathlib import Path
 
-from rloo_engine.config import ConfigError
+from rloo_engine.config_base import ConfigError
 
 LOCK_NAME = ".rloo-engine.lock"
 
-_HELD: dict[Path, "RunLock"] = {}  # locks this process holds, so the CLI and the trainer share one
+_HELD: dict[Path, RunLock] = {}  # locks this process holds, so the CLI and the trainer share one
 
 
 class OutputDirLocked(ConfigError):

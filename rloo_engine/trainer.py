@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from collections import defaultdict
@@ -24,24 +23,36 @@ from transformers import get_scheduler
 from rloo_engine import algorithm as A
 from rloo_engine import checkpoint as ckpt
 from rloo_engine.config import RLOOConfig, save_config
-from rloo_engine.fault_injection import maybe_kill
 from rloo_engine.data import (
-    PromptSampler, as_assistant_messages, extra_columns, is_conversational, load_prompt_dataset, render_prompt,
+    PromptSampler,
+    as_assistant_messages,
+    extra_columns,
+    is_conversational,
+    load_prompt_dataset,
+    render_prompt,
 )
 from rloo_engine.distributed import (
-    build_accelerator, fill_deepspeed_config, full_weights_for_generation, gathered_for_update, global_grad_norm,
+    build_accelerator,
+    fill_deepspeed_config,
+    full_weights_for_generation,
+    gathered_for_update,
+    global_grad_norm,
     outside_zero_init,
     prepare_frozen_model,
 )
+from rloo_engine.fault_injection import crash, crash_step, maybe_kill
 from rloo_engine.generation import GenerationBackend, HFGenerationBackend, SamplingParams
 from rloo_engine.metrics import MetricsLogger
-from rloo_engine.progress import progress_bar
-from rloo_engine.run_lock import acquire_run_lock
-from rloo_engine.train_checks import check_before_loading
 from rloo_engine.models import (
-    eos_token_ids, load_policy, load_reference, load_tokenizer, reference_context, sync_reference,
+    eos_token_ids,
+    load_policy,
+    load_reference,
+    load_tokenizer,
+    reference_context,
+    sync_reference,
 )
-from rloo_engine.rewards import EmptySourceWatch, RewardModelSource, build_reward_sources, compute_rewards
+from rloo_engine.progress import progress_bar
+from rloo_engine.reward_sources import EmptySourceWatch, RewardModelSource, build_reward_sources, compute_rewards
 from rloo_engine.rollout import (
     GenerationBatch,
     batched_token_logps,
@@ -49,8 +60,8 @@ from rloo_engine.rollout import (
     completion_token_logps,
     group_reward_std,
 )
-
-CRASH_ENV = "RLOO_ENGINE_CRASH_AT_STEP"  # fault injection for retry tests: exit after this step's checkpoint
+from rloo_engine.run_lock import acquire_run_lock
+from rloo_engine.train_preflight import check_before_loading
 
 
 @dataclass
@@ -281,7 +292,7 @@ class RLOOTrainer:
             ckpt.remove_partial_writes(out)  # a killed run's .tmp-checkpoint-N; the lock says none is being written
             save_config(c, out / "config.yaml")
         start_step = self._maybe_resume()
-        crash_at = int(os.environ.get(CRASH_ENV, "0"))
+        crash_at = crash_step()
         micro_per_batch = self.steps_per_generation * c.num_iterations
         bar = progress_bar(total=self.total_steps, initial=self.global_step, desc="rloo", unit="step",
                            dynamic_ncols=True, disable=not self.acc.is_main_process or c.disable_tqdm)
@@ -327,8 +338,7 @@ class RLOOTrainer:
                 self._save()
             if crash_at and self.global_step == crash_at and start_step < crash_at:
                 self.acc.wait_for_everyone()
-                print(f"rloo-engine: {CRASH_ENV}={crash_at} reached; exiting to simulate a crash", file=sys.stderr)
-                sys.exit(3)
+                crash(crash_at)
             step_start = time.perf_counter()  # after logging and saving, so they are not billed to the next step
         bar.close()
         final = ckpt.save_final(self.acc, self.policy, self.tokenizer, out, self._fresh_policy)

@@ -17,7 +17,7 @@ SECTIONS = [
      "`rloo-engine train --config cfg.yaml` and every `--flag`; the pipeline's `train:` section."),
     ("Evaluation: `EvalConfig`", "rloo_engine.evaluation:EvalConfig",
      "`rloo-engine evaluate --config eval.yaml`; the pipeline's `evaluation:` section."),
-    ("Pipeline: `PipelineConfig`", "tasks.config:PipelineConfig",
+    ("Pipeline: `PipelineConfig`", "rloo_engine.pipeline.config:PipelineConfig",
      "`python -m flows.rlhf_pipeline --config ...` and the Prefect deployments' `cfg` parameter."),
 ]
 

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Set up (idempotent) and run the whole test suite. This is the README's test command and what CI runs.
+# Set up (idempotent), lint, and run the whole test suite. This is the README's test command and what CI runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev
-exec "${RLOO_VENV:-.venv}/bin/python" -m pytest -q -rs "$@"
+venv="${RLOO_VENV:-.venv}"
+echo "lint: ruff check (config in pyproject.toml)"
+"$venv/bin/ruff" check .
+exec "$venv/bin/python" -m pytest -q -rs "$@"

@@ -1,9 +1,6 @@
-"""Prefect tasks of the RLHF pipeline. Each is thin: validate its inputs, call `rloo_engine`, record the result.
+"""Prefect tasks of the RLHF pipeline, one module per stage. Each is thin: validate its inputs, call the library
+(`rloo_engine`, the pipeline's own logic in `rloo_engine.pipeline`), record the result.
 
-Tasks pass paths, digests and MLflow run ids to each other, never model objects. Layering:
-flows -> tasks -> rloo_engine; `rloo_engine` never imports Prefect.
+Tasks pass paths, digests and MLflow run ids to each other (`rloo_engine.pipeline.stage_results`), never model
+objects. Layering: flows -> tasks -> rloo_engine; `rloo_engine` never imports Prefect (tests/test_layering.py).
 """
-
-from tasks.config import PipelineConfig, build_pipeline_config
-
-__all__ = ["PipelineConfig", "build_pipeline_config"]

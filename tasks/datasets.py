@@ -17,9 +17,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from tasks import tracking
-from tasks.config import DataSection
-from tasks.tracking import RunRef
+from rloo_engine.pipeline import tracking
+from rloo_engine.pipeline.config import DataSection
+from rloo_engine.pipeline.tracking import RunRef
 
 CONTEXT_TAG = "mlflow.data.context"  # what the UI shows next to the dataset's name
 

@@ -19,30 +19,21 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
-from pydantic import BaseModel
 
-from rloo_engine.config import ConfigError
+from rloo_engine.config_base import ConfigError
 from rloo_engine.evaluation.report import PairingResult
-from tasks import tracking
-from tasks.config import PipelineConfig
-from tasks.secrets import read_secret_block, scoped_env
-from tasks.tracking import RunRef
+from rloo_engine.pipeline import tracking
+from rloo_engine.pipeline.config import PipelineConfig, pipeline_field_names
+from rloo_engine.pipeline.environment import scoped_env
+from rloo_engine.pipeline.run_summary import pct
+from rloo_engine.pipeline.stage_results import EvalSummary
+from rloo_engine.pipeline.tracking import RunRef
+from tasks.secrets import read_secret_block
 
 # Every numeric statistic of the library's PairingResult, so one added there is logged here as well.
 PAIRING_METRICS = tuple(
     name for name, f in PairingResult.model_fields.items() if f.annotation in (int, float, float | None)
 )
-
-
-class EvalSummary(BaseModel):
-    """What the flow and the promotion gate need from an evaluation; the full report stays in results.json."""
-
-    pairings: dict[str, dict[str, float | int | str | None]]
-    paired_difference: dict[str, float | int | str | None] | None
-    warnings: list[str]
-    results_path: str
-    judgments_path: str
-    mlflow_run_id: str
 
 
 @task(name="check_evaluation_inputs", cache_policy=NO_CACHE)
@@ -54,44 +45,10 @@ def check_evaluation_inputs(cfg: PipelineConfig) -> dict[str, int]:
         try:
             counts = check_inputs(cfg.eval_config(output_dir="<run>/eval"))
         except ConfigError as err:
-            message = _pipeline_field_names(str(err))
+            message = pipeline_field_names(str(err))
             raise ConfigError(f"evaluation inputs (checked before training): {message}") from None
     get_run_logger().info("evaluation inputs: %s", ", ".join(f"{k} {v}" for k, v in counts.items()))
     return counts
-
-
-# EvalConfig field -> the PipelineConfig field it comes from, so errors name what the user wrote.
-_PIPELINE_FIELDS = {
-    "prompts": "data.eval_prompts",
-    "prompt_column": "data.prompt_column",
-    "reference_column": "data.reference_column",
-    "reference_completions": "data.reference_completions",
-    "judge.": "evaluation.judge.",
-}
-
-
-def _pipeline_field_names(message: str) -> str:
-    for eval_name, pipeline_name in _PIPELINE_FIELDS.items():
-        if message.startswith(eval_name):
-            return pipeline_name + message[len(eval_name) :]
-    return message
-
-
-def warning_tags(warnings: list[str]) -> dict[str, str]:
-    """{`evaluation.warning.<pairing>.<kind>`: message} for MLflow tags (values cut to MLflow's 5000 characters)."""
-    kinds = {
-        "position bias": "position_bias",
-        "length-controlled win rate not estimable": "lc_not_estimable",
-        "length-controlled": "lc_gap",
-        "have no verdict": "failed",
-        "lack a completion": "missing",
-    }
-    tags: dict[str, str] = {}
-    for warning in warnings:
-        pairing, _, text = warning.partition(": ")
-        kind = next((k for marker, k in kinds.items() if marker in text), "other")
-        tags[f"evaluation.warning.{pairing}.{kind}"] = warning[:5000]
-    return tags
 
 
 @task(name="evaluate_win_rate", cache_policy=NO_CACHE)
@@ -106,7 +63,7 @@ def evaluate_win_rate(
     with tracking.stage_run(parent, "evaluate") as run:
         eval_cfg = cfg.eval_config(output_dir=str(out))
         tracking.log_params(
-            run, {f"evaluation.{k}": v for k, v in _flat(cfg.evaluation.model_dump(mode="json")).items()}
+            run, tracking.flat_params(cfg.evaluation.model_dump(mode="json"), prefix="evaluation.")
         )
         with scoped_env(_judge_secret(cfg)):
             report = run_evaluation(eval_cfg, policy_path=policy_path, sft_path=sft_path, output_dir=out)
@@ -117,10 +74,10 @@ def evaluate_win_rate(
             logger.info(
                 "%s: win rate %s [%s, %s], LC %s, n=%d (parse errors %d, api errors %d)",
                 name,
-                _pct(result.win_rate),
-                _pct(result.ci_low),
-                _pct(result.ci_high),
-                _pct(result.lc_win_rate),
+                pct(result.win_rate),
+                pct(result.ci_low),
+                pct(result.ci_high),
+                pct(result.lc_win_rate),
                 result.n,
                 result.n_parse_error,
                 result.n_api_error,
@@ -141,7 +98,7 @@ def evaluate_win_rate(
             tracking.log_artifact(run, path, "completions")
         for warning in report.warnings:
             logger.warning("evaluation: %s", warning)
-        tags = warning_tags(report.warnings)
+        tags = tracking.warning_tags(report.warnings)
         tags["evaluation.warnings"] = str(len(report.warnings))
         tracking.set_tags(run, tags)
         tracking.set_tags(parent, tags)
@@ -173,26 +130,12 @@ def _judge_secret(cfg: PipelineConfig) -> dict[str, str]:
 def _table_row(name: str, r: dict, level: str) -> dict[str, str | int | None]:
     return {
         "pairing": name,
-        "win rate": _pct(r["win_rate"]),
-        f"{level} CI": f"[{_pct(r['ci_low'])}, {_pct(r['ci_high'])}]",
-        "LC win rate": "not estimable" if r.get("lc_not_estimable") else _pct(r["lc_win_rate"]),
-        "bias-corrected": _pct(r.get("bias_corrected_win_rate")),
+        "win rate": pct(r["win_rate"]),
+        f"{level} CI": f"[{pct(r['ci_low'])}, {pct(r['ci_high'])}]",
+        "LC win rate": "not estimable" if r.get("lc_not_estimable") else pct(r["lc_win_rate"]),
+        "bias-corrected": pct(r.get("bias_corrected_win_rate")),
         "n": r["n"],
         "parse errors": r["n_parse_error"],
         "api errors": r["n_api_error"],
-        "consistency": _pct(r["consistency_rate"]),
+        "consistency": pct(r["consistency_rate"]),
     }
-
-
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{100 * x:.1f}%"
-
-
-def _flat(values: dict, prefix: str = "") -> dict:
-    out: dict = {}
-    for k, v in values.items():
-        if isinstance(v, dict) and v:
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out

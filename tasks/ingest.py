@@ -12,9 +12,10 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from rloo_engine.config import ConfigError
-from tasks import tracking
-from tasks.checkpoints import (
+from rloo_engine.config_base import ConfigError
+from rloo_engine.pipeline import tracking
+from rloo_engine.pipeline.config import SFTSection
+from rloo_engine.pipeline.input_checkpoints import (
     CheckpointFacts,
     CheckpointInfo,
     Kind,
@@ -22,8 +23,7 @@ from tasks.checkpoints import (
     inspect_checkpoint,
     materialize_source,
 )
-from tasks.config import SFTSection
-from tasks.tracking import RunRef
+from rloo_engine.pipeline.tracking import RunRef
 
 INSPECTION_VERSION = 1  # bump when inspect_checkpoint changes what it checks or records, to invalidate the cache
 

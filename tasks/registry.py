@@ -2,7 +2,7 @@
 
 The gate: the lower bound of the policy-vs-SFT win-rate CI must reach `tracking.promotion.min_ci_low`.
 A passing policy's checkpoint is logged as a LoggedModel of MLflow's transformers flavor
-(`tasks/policy_model.py`) with the training run as its source run and this stage's run as a user of
+(`rloo_engine/pipeline/policy_model.py`) with the training run as its source run and this stage's run as a user of
 it, registered from that model, and the alias (e.g. `candidate`) is moved to the new version.
 Registration and the steps after it run in a Prefect transaction: if anything fails after the
 version was created, the rollback hook moves the alias back (or removes it) and deletes the
@@ -18,23 +18,15 @@ from prefect.cache_policies import NO_CACHE
 from prefect.transactions import get_transaction, transaction
 from pydantic import BaseModel
 
-from tasks import tracking
-from tasks.checkpoints import CheckpointInfo
-from tasks.config import PromotionGate, TrackingSection
-from tasks.evaluate import EvalSummary
-from tasks.policy_model import log_policy_model
-from tasks.tracking import RunRef
-from tasks.train import TrainResult
+from rloo_engine.pipeline import tracking
+from rloo_engine.pipeline.config import TrackingSection
+from rloo_engine.pipeline.input_checkpoints import CheckpointInfo
+from rloo_engine.pipeline.policy_model import log_policy_model
+from rloo_engine.pipeline.promotion import GATE_PAIRING, promotion_decision
+from rloo_engine.pipeline.stage_results import EvalSummary, Promotion, TrainStageResult
+from rloo_engine.pipeline.tracking import RunRef
 
-GATE_PAIRING = "policy_vs_sft"
 MODEL_VERSIONS_TAG = "mlflow.modelVersions"
-
-
-class GateDecision(BaseModel):
-    passed: bool
-    reason: str
-    ci_low: float | None
-    threshold: float
 
 
 class RegisteredVersion(BaseModel):
@@ -46,56 +38,10 @@ class RegisteredVersion(BaseModel):
     logged_model_id: str
 
 
-class Promotion(BaseModel):
-    decision: GateDecision
-    registered: bool
-    model_name: str
-    alias: str
-    version: str | None = None
-    previous_version: str | None = None
-    model_uri: str | None = None
-
-
-def promotion_decision(evaluation: EvalSummary, gate: PromotionGate) -> GateDecision:
-    """Passes when policy_vs_sft's CI lower bound >= gate.min_ci_low; the reason says why either way."""
-    result = evaluation.pairings.get(GATE_PAIRING)
-    threshold = gate.min_ci_low
-    if result is None:
-        return GateDecision(
-            passed=False,
-            ci_low=None,
-            threshold=threshold,
-            reason=f"{GATE_PAIRING} was not evaluated (see evaluation.pairings); the promotion gate needs it",
-        )
-    ci_low, n_valid = result.get("ci_low"), result.get("n_valid")
-    if ci_low is None:
-        return GateDecision(
-            passed=False,
-            ci_low=None,
-            threshold=threshold,
-            reason=f"{GATE_PAIRING} has no confidence interval ({n_valid} valid judgments of {result.get('n')})",
-        )
-    rate = result.get("win_rate")
-    detail = f"win rate {rate:.3f}, CI [{ci_low:.3f}, {result.get('ci_high'):.3f}], n={result.get('n')}"
-    if ci_low >= threshold:
-        return GateDecision(
-            passed=True,
-            ci_low=ci_low,
-            threshold=threshold,
-            reason=f"{GATE_PAIRING} CI lower bound {ci_low:.3f} >= min_ci_low {threshold:.3f} ({detail})",
-        )
-    return GateDecision(
-        passed=False,
-        ci_low=ci_low,
-        threshold=threshold,
-        reason=f"{GATE_PAIRING} CI lower bound {ci_low:.3f} < min_ci_low {threshold:.3f} ({detail})",
-    )
-
-
 @task(name="register_policy", cache_policy=NO_CACHE)
 def register_policy(
     tracking_cfg: TrackingSection,
-    trained: TrainResult,
+    trained: TrainStageResult,
     evaluation: EvalSummary,
     sft: CheckpointInfo,
     parent: RunRef,
@@ -138,7 +84,7 @@ def register_policy(
 
 @task(name="register_model_version", cache_policy=NO_CACHE)
 def register_model_version(
-    name: str, alias: str, trained: TrainResult, sft: CheckpointInfo, gate_reason: str, stage: RunRef
+    name: str, alias: str, trained: TrainStageResult, sft: CheckpointInfo, gate_reason: str, stage: RunRef
 ) -> RegisteredVersion:
     """Logs the final checkpoint as a LoggedModel of the training run, registers a version of it, moves the alias."""
     from mlflow.entities import LoggedModelInput
@@ -218,7 +164,7 @@ def _set_model_version_links(c, model_id: str, name: str, version: str, linked: 
 
 @task(name="describe_model_version", cache_policy=NO_CACHE)
 def describe_model_version(
-    registered: RegisteredVersion, trained: TrainResult, evaluation: EvalSummary, sft: CheckpointInfo, parent: RunRef
+    registered: RegisteredVersion, trained: TrainStageResult, evaluation: EvalSummary, sft: CheckpointInfo, parent: RunRef
 ) -> None:
     """Tags the new version with where it came from and how it scored (lineage for whoever deploys it)."""
     c = tracking.client(parent.tracking_uri)
@@ -239,7 +185,7 @@ def describe_model_version(
     c.update_model_version(registered.model_name, registered.version, description=_version_description(trained, gate))
 
 
-def _version_description(trained: TrainResult, gate: dict) -> str:
+def _version_description(trained: TrainStageResult, gate: dict) -> str:
     reward = trained.metrics
     return (
         f"RLOO policy after {trained.global_step} steps (reward {reward.get('reward_start', float('nan')):.4f} -> "

@@ -15,9 +15,9 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import deployment, flow_run
 from pydantic import BaseModel
 
-from tasks import tracking
-from tasks.config import PipelineConfig
-from tasks.tracking import RunRef
+from rloo_engine.pipeline import tracking
+from rloo_engine.pipeline.config import PipelineConfig
+from rloo_engine.pipeline.tracking import RunRef
 
 
 class PipelineRun(BaseModel):
@@ -50,7 +50,7 @@ def open_pipeline_run(cfg: PipelineConfig, flow_name: str) -> PipelineRun:
             "rloo.output_dir": str(run_dir),
         },
     )
-    tracking.log_params(parent, cfg.flat_params())
+    tracking.log_params(parent, tracking.flat_params(cfg.model_dump(mode="json")))
     config_path = run_dir / "pipeline_config.yaml"
     config_path.write_text(cfg.to_yaml())
     tracking.log_artifact(parent, config_path)

@@ -1,4 +1,5 @@
-"""Secrets at run time: read from Prefect Secret blocks (or the worker's environment), handed to one consumer.
+"""Secrets at run time: read from Prefect Secret blocks (or the worker's environment), handed to one consumer
+through `rloo_engine.pipeline.environment` (`scoped_env`, `child_env`).
 
 A secret is never a flow parameter, never logged and never written to a config file. The training
 process receives its secrets through its own environment only; the judge's key is visible to the
@@ -7,11 +8,7 @@ evaluation only while it runs, and the training process never inherits it.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-from rloo_engine.config import ConfigError
+from rloo_engine.config_base import ConfigError
 
 
 def read_secret_block(block_name: str, field: str) -> str:
@@ -33,25 +30,3 @@ def read_secret_block(block_name: str, field: str) -> str:
 def secret_env(mapping: dict[str, str], field: str) -> dict[str, str]:
     """{ENV_VAR: value} for {ENV_VAR: secret-block-name}."""
     return {env_name: read_secret_block(block, f"{field}.{env_name}") for env_name, block in mapping.items()}
-
-
-@contextmanager
-def scoped_env(values: dict[str, str]) -> Iterator[None]:
-    """Sets environment variables for the duration of the block, then restores what was there."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, old in saved.items():
-            if old is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = old
-
-
-def child_env(base: dict[str, str], withhold: set[str], extra: dict[str, str]) -> dict[str, str]:
-    """The environment of a child process: `base` minus the secrets meant for others, plus `extra`."""
-    env = {k: v for k, v in base.items() if k not in withhold}
-    env.update(extra)
-    return env

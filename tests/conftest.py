@@ -12,7 +12,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from rloo_engine import tiny_models  # noqa: E402
+from rloo_engine.testing import tiny_models  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -19,16 +19,17 @@ import random
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from rloo_engine.demo import task
+from rloo_engine.demo import toy_task
 from rloo_engine.demo.settings import DEMO_ASSETS, SMOKE_ASSETS, AssetSettings
 from rloo_engine.progress import progress_bar
 
 ASSET_VERSION = 1  # bump to rebuild every cached asset directory
 MANIFEST = "manifest.json"
-_SOURCES = ("task.py", "sft.py", "reward_model.py", "assets.py")
+_SOURCES = ("toy_task.py", "sft.py", "reward_model_training.py", "assets.py")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,20 +109,20 @@ def load_demo_assets(root: str | Path) -> DemoAssets | None:
 
 
 def _build(out: Path, s: AssetSettings, seed: int, key: str, progress: bool) -> None:
-    from rloo_engine.demo.reward_model import preference_pairs, train_reward_model
+    from rloo_engine.demo.reward_model_training import preference_pairs, train_reward_model
     from rloo_engine.demo.sft import train_sft
-    from rloo_engine.tiny_models import train_tokenizer
+    from rloo_engine.testing.tiny_models import train_tokenizer
 
     start = time.perf_counter()
     out.mkdir(parents=True)
     rng = random.Random(seed)
-    train_specs, eval_specs = task.prompt_specs(seed, s.eval_fraction)
+    train_specs, eval_specs = toy_task.prompt_specs(seed, s.eval_fraction)
     stages = progress_bar(total=4, desc="demo assets", unit="stage", disable=not progress, dynamic_ncols=True)
     with _quiet_transformers(), _one_torch_thread():
         stages.set_postfix_str("data and tokenizer")
-        examples = [(p, task.sft_completion(rng, p)) for p in (task.sample_prompt(rng, train_specs)
+        examples = [(p, toy_task.sft_completion(rng, p)) for p in (toy_task.sample_prompt(rng, train_specs)
                                                                  for _ in range(s.sft_examples))]
-        references = [(p, task.reference_completion(rng, p)) for p in map(task.make_prompt, eval_specs)]
+        references = [(p, toy_task.reference_completion(rng, p)) for p in map(toy_task.make_prompt, eval_specs)]
         tokenizer = train_tokenizer([p + c for p, c in examples + references], vocab_size=s.vocab_size,
                                     chat_template=None)
         stages.update()
@@ -143,7 +144,7 @@ def _build(out: Path, s: AssetSettings, seed: int, key: str, progress: bool) -> 
         stages.update()
 
         stages.set_postfix_str("prompt files")
-        train_prompts = [task.make_prompt(spec) for spec in train_specs]
+        train_prompts = [toy_task.make_prompt(spec) for spec in train_specs]
         _write_jsonl(out / "train_prompts.jsonl", [{"prompt": p} for p in train_prompts])
         eval_rows = [{"prompt": p, "reference": r} for p, r in references[: s.eval_prompts]]
         _write_jsonl(out / "eval_prompts.jsonl", eval_rows)
@@ -159,7 +160,7 @@ def _build(out: Path, s: AssetSettings, seed: int, key: str, progress: bool) -> 
         "policy_parameters": sft.num_parameters,
         "num_train_prompts": len(train_prompts),
         "num_eval_prompts": len(eval_rows),
-        "reference_gold_mean": round(_mean([task.gold_score(r["prompt"], r["reference"]) for r in eval_rows]), 4),
+        "reference_gold_mean": round(_mean([toy_task.gold_score(r["prompt"], r["reference"]) for r in eval_rows]), 4),
         "build_seconds": round(time.perf_counter() - start, 1),
     }
     manifest = {

@@ -59,7 +59,7 @@ DEMO_TRAIN: dict = {
     "seed": 0,
     # The gold rule rides along with weight 0: it never shapes the reward, but `rewards/gold_reward/mean`
     # is logged at every step, so the run shows whether the reward model's gains are real.
-    "reward_funcs": ["rloo_engine.demo.task:gold_reward"],
+    "reward_funcs": ["rloo_engine.demo.toy_task:gold_reward"],
     "reward_weights": [1.0, 0.0],
 }
 
@@ -73,7 +73,7 @@ SMOKE_TRAIN: dict = {
     "log_completions": False,
 }
 
-# Evaluation generation options (rloo_engine.evaluation GenerationConfig names). Sampling at the training
+# Evaluation generation options (rloo_engine.evaluation EvalGenerationConfig names). Sampling at the training
 # temperature measures the distribution RLOO optimised; greedy decoding of a model this small tends to
 # loop on one phrase, which says little about either model.
 DEMO_EVAL_GENERATION: dict = {"max_new_tokens": 24, "do_sample": True, "temperature": 1.0, "batch_size": 64, "seed": 0}

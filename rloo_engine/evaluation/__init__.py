@@ -8,7 +8,7 @@ Public API (stable; the pipeline's evaluation task calls it):
 See docs/evaluation.md. Never imports Prefect.
 """
 
-from rloo_engine.evaluation.config import EvalConfig, GenerationConfig, JudgeConfig, TokenPrice, load_eval_config
+from rloo_engine.evaluation.config import EvalConfig, EvalGenerationConfig, JudgeConfig, TokenPrice, load_eval_config
 from rloo_engine.evaluation.errors import BudgetExceededError, ConfigError, EvaluationError, JudgeEndpointError
 from rloo_engine.evaluation.report import EvalReport, PairedDifference, PairingResult, Usage
 from rloo_engine.evaluation.runner import run_evaluation
@@ -16,7 +16,7 @@ from rloo_engine.evaluation.runner import run_evaluation
 __all__ = [
     "EvalConfig",
     "JudgeConfig",
-    "GenerationConfig",
+    "EvalGenerationConfig",
     "TokenPrice",
     "load_eval_config",
     "run_evaluation",

@@ -13,7 +13,7 @@ import logging
 import sys
 
 from rloo_engine.argparsing import StrictArgumentParser
-from rloo_engine.config import ConfigError
+from rloo_engine.config_base import ConfigError
 from rloo_engine.evaluation.config import load_eval_config
 from rloo_engine.evaluation.errors import EvaluationError
 from rloo_engine.evaluation.report import format_summary

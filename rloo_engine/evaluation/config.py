@@ -6,13 +6,12 @@ option fails with `ConfigError` naming the field before any model is loaded or a
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import model_validator
 
-from rloo_engine.config import ConfigError, load_yaml
+from rloo_engine.config_base import F, StrictModel, load_yaml, validated
 
 PairingName = Literal["policy_vs_reference", "sft_vs_reference", "policy_vs_sft"]
 PAIRINGS: dict[str, tuple[str, str]] = {
@@ -22,16 +21,7 @@ PAIRINGS: dict[str, tuple[str, str]] = {
 }
 
 
-def F(default: Any, doc: str, **kw: Any) -> Any:
-    """A documented field: `doc` says what it means, why the default, and when to change it."""
-    return Field(default, description=doc, **kw)
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class GenerationConfig(_Strict):
+class EvalGenerationConfig(StrictModel):
     """How completions are generated for a model given by path (policy or SFT)."""
 
     max_new_tokens: int = F(
@@ -62,7 +52,7 @@ class GenerationConfig(_Strict):
     generation_kwargs: dict[str, Any] = F({}, "Extra keyword arguments for `model.generate` (override the above).")
 
 
-class TokenPrice(_Strict):
+class TokenPrice(StrictModel):
     """Price of one judge model, in US dollars per million tokens."""
 
     input_per_million: float = F(..., "USD per 1M prompt (input) tokens.", ge=0.0)
@@ -75,7 +65,7 @@ class TokenPrice(_Strict):
     )
 
 
-class JudgeConfig(_Strict):
+class JudgeConfig(StrictModel):
     """Which judge compares two answers, and how it is called."""
 
     backend: Literal["openai", "hf", "reward_model", "python"] = F(
@@ -208,7 +198,7 @@ class JudgeConfig(_Strict):
         return self
 
 
-class EvalConfig(_Strict):
+class EvalConfig(StrictModel):
     """All options of a win-rate evaluation. Paths of the policy / SFT models may also be given as arguments."""
 
     # ---------------------------------------------------------------- prompts and references
@@ -236,7 +226,7 @@ class EvalConfig(_Strict):
     policy_completions: str | None = F(None, "A completions JSONL file for the policy, instead of generating.")
     sft_model_path: str | None = F(None, "SFT model to generate completions from. Overridden by `--sft` / `sft_path`.")
     sft_completions: str | None = F(None, "A completions JSONL file for the SFT model, instead of generating.")
-    generation: GenerationConfig = F(GenerationConfig(), "How completions are generated from model paths.")
+    generation: EvalGenerationConfig = F(EvalGenerationConfig(), "How completions are generated from model paths.")
 
     # ---------------------------------------------------------------- judging
     pairings: list[PairingName] | None = F(
@@ -355,31 +345,9 @@ class EvalConfig(_Strict):
         return Path(output_dir or self.output_dir) / "judge_cache.sqlite"
 
 
-def format_errors(err: ValidationError, source: str) -> str:
-    """One line per problem, `<source>: <dotted.field>: <message> (got <value>)`."""
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown option; check the spelling against docs/configuration.md (EvalConfig)"
-        elif e["type"] == "missing":
-            msg = "required option is missing"
-        elif e["type"] == "value_error" and loc and re.match(r"[a-z_]+: ", msg):
-            # A nested model's validator names its own field first: judge + "model: ..." -> judge.model: ...
-            field, msg = msg.split(": ", 1)
-            loc = f"{loc}.{field}"
-        got = f" (got {e['input']!r})" if e["type"] not in ("missing", "value_error") and "input" in e else ""
-        lines.append(f"{source}: {loc}: {msg}{got}" if loc else f"{source}: {msg}")
-    return "\n".join(lines)
-
-
 def build_eval_config(values: dict[str, Any], source: str = "EvalConfig") -> EvalConfig:
     """Validates `values` into an EvalConfig, raising ConfigError with every problem named."""
-    try:
-        return EvalConfig.model_validate(values)
-    except ValidationError as err:
-        raise ConfigError(format_errors(err, source)) from None
+    return validated(EvalConfig, values, source)
 
 
 def load_eval_config(path: str | Path, overrides: dict[str, Any] | None = None) -> EvalConfig:

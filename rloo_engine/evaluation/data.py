@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rloo_engine.config import ConfigError
+from rloo_engine.config_base import ConfigError
 
 log = logging.getLogger(__name__)
 

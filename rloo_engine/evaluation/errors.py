@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rloo_engine.config import ConfigError
+from rloo_engine.config_base import ConfigError
 
 __all__ = ["ConfigError", "EvaluationError", "JudgeEndpointError", "BudgetExceededError", "redact"]
 

@@ -14,12 +14,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-
-from rloo_engine.progress import progress_bar
-from rloo_engine.config import ConfigError
-from rloo_engine.evaluation.config import GenerationConfig
+from rloo_engine.config_base import ConfigError
+from rloo_engine.evaluation.config import EvalGenerationConfig
 from rloo_engine.evaluation.data import EvalPrompt, load_completions, save_completions
 from rloo_engine.evaluation.hf_models import load_causal_lm, weights_fingerprint
+from rloo_engine.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +42,7 @@ def render_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], chat_templ
 
 
 def generate_completions(
-    model_path: str, prompts: list[EvalPrompt], gen: GenerationConfig, *, field: str, progress: bool = True
+    model_path: str, prompts: list[EvalPrompt], gen: EvalGenerationConfig, *, field: str, progress: bool = True
 ) -> dict[str, str]:
     """{prompt_id: completion} for every prompt; `field` names the config option `model_path` came from."""
     import torch
@@ -97,7 +96,7 @@ def generate_completions(
     return completions
 
 
-def _fingerprint(model_path: str, prompts: list[EvalPrompt], gen: GenerationConfig) -> dict[str, Any]:
+def _fingerprint(model_path: str, prompts: list[EvalPrompt], gen: EvalGenerationConfig) -> dict[str, Any]:
     ids = hashlib.sha256(",".join(ep.prompt_id for ep in prompts).encode()).hexdigest()[:16]
     return {
         "model": model_path,
@@ -108,7 +107,7 @@ def _fingerprint(model_path: str, prompts: list[EvalPrompt], gen: GenerationConf
 
 
 def generate_or_reuse(
-    model_path: str, prompts: list[EvalPrompt], gen: GenerationConfig, out_path: Path, *, field: str, progress: bool
+    model_path: str, prompts: list[EvalPrompt], gen: EvalGenerationConfig, out_path: Path, *, field: str, progress: bool
 ) -> dict[str, str]:
     """Completions from `out_path` if its fingerprint matches this model and these options; else generated and saved."""
     meta_path = out_path.with_name(out_path.stem + ".meta.json")

@@ -10,7 +10,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from rloo_engine.config import ConfigError
+from rloo_engine.config_base import ConfigError
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".model", ".txt")
 

@@ -15,7 +15,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rloo_engine.config import ConfigError
+from rloo_engine.config_base import ConfigError
 from rloo_engine.evaluation.config import PAIRINGS
 from rloo_engine.evaluation.judges.base import Judgment, SlotPair, Status
 

@@ -3,12 +3,12 @@ in the pipeline, RLOO training): the judge, the prompt set, the references and c
 
 from __future__ import annotations
 
-from rloo_engine.config import ConfigError
+from rloo_engine.config_base import ConfigError
 from rloo_engine.evaluation.config import EvalConfig
 from rloo_engine.evaluation.data import load_completions, load_prompts
 from rloo_engine.evaluation.judges import read_api_key
-from rloo_engine.evaluation.judges.python_judge import import_function
 from rloo_engine.evaluation.templates import JudgeTemplate, load_template
+from rloo_engine.import_paths import load_callable
 
 
 def check_judge(cfg: EvalConfig) -> JudgeTemplate | None:
@@ -22,7 +22,7 @@ def check_judge(cfg: EvalConfig) -> JudgeTemplate | None:
         if cfg.judge.mode == "batch":
             import rloo_engine.evaluation.judges.openai_batch  # noqa: F401
     if cfg.judge.backend == "python":
-        import_function(cfg.judge.function or "")
+        load_callable(cfg.judge.function or "", "judge.function")
     return template
 
 

@@ -15,16 +15,8 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-
-from rloo_engine.progress import progress_bar
 from rloo_engine.evaluation.budget import Price, SpendTracker
 from rloo_engine.evaluation.cache import JudgmentCache, cache_key
-from rloo_engine.evaluation.checks import (
-    UntrustworthyResultError,
-    check_something_to_judge,
-    failure_problems,
-    report_warnings,
-)
 from rloo_engine.evaluation.config import PAIRINGS, EvalConfig
 from rloo_engine.evaluation.data import EvalPrompt, load_completions, prompt_text, save_completions
 from rloo_engine.evaluation.judges import build_judge
@@ -32,8 +24,15 @@ from rloo_engine.evaluation.judges.base import Judgment, SlotPair
 from rloo_engine.evaluation.pairings import Order, PairItem, build_items, choose_pairings, combine_orders, winner
 from rloo_engine.evaluation.preflight import check_judge, load_eval_prompts
 from rloo_engine.evaluation.report import EvalReport, Usage, write_report, write_table
+from rloo_engine.evaluation.result_checks import (
+    UntrustworthyResultError,
+    check_something_to_judge,
+    failure_problems,
+    report_warnings,
+)
 from rloo_engine.evaluation.scoring import JudgedItem, paired_difference, summarize_pairing
 from rloo_engine.evaluation.templates import JudgeTemplate
+from rloo_engine.progress import progress_bar
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from rloo_engine.config import ConfigError
+from rloo_engine.config_base import ConfigError
 
 BUILTIN_DIR = Path(__file__).parent / "templates"
 BUILTIN = {"tldr": "tldr_v1.yaml", "helpfulness": "helpfulness_v1.yaml"}

@@ -11,12 +11,16 @@ import pytest
 import torch
 
 from rloo_engine.demo import assets as demo_assets
-from rloo_engine.demo import reward_model as demo_rm
+from rloo_engine.demo import reward_model_training as demo_rm
 from rloo_engine.demo import sft as demo_sft
-from rloo_engine.demo import task
+from rloo_engine.demo import toy_task as task
 from rloo_engine.demo.assets import MANIFEST, build_demo_assets, load_demo_assets
 from rloo_engine.demo.settings import (
-    DEMO_EVAL_GENERATION, DEMO_TRAIN, SMOKE_ASSETS, SMOKE_EVAL_GENERATION, SMOKE_TRAIN,
+    DEMO_EVAL_GENERATION,
+    DEMO_TRAIN,
+    SMOKE_ASSETS,
+    SMOKE_EVAL_GENERATION,
+    SMOKE_TRAIN,
 )
 
 # Far smaller than smoke: for the tests that only exercise caching and the atomic rename.
@@ -77,16 +81,16 @@ def test_gold_judge_runs_as_the_evaluation_python_judge():
     from rloo_engine.evaluation.judges.base import SlotPair
     from rloo_engine.evaluation.judges.python_judge import PythonJudge
 
-    judge = PythonJudge(JudgeConfig(backend="python", function="rloo_engine.demo.task:gold_judge"))
+    judge = PythonJudge(JudgeConfig(backend="python", function="rloo_engine.demo.toy_task:gold_judge"))
     prompt = task.make_prompt(("describe", "farm", "friend", "winter"))
     judged = asyncio.run(judge.judge([SlotPair(prompt, "a gentle dog sits by the warm horse.", "a dog")]))
     assert [(j.status, j.verdict) for j in judged] == [("ok", "A")]
 
 
 def test_gold_reward_is_an_rloo_reward_function_by_import_path():
-    from rloo_engine.rewards import load_reward_function
+    from rloo_engine.reward_sources import load_reward_function
 
-    source = load_reward_function("rloo_engine.demo.task:gold_reward")
+    source = load_reward_function("rloo_engine.demo.toy_task:gold_reward")
     prompts = [task.make_prompt(("describe", "town", "child", "evening"))] * 2
     completions = ["the warm cat sits near the bright house.", "the cat"]
     scores = source(prompts=prompts, completions=completions, completion_ids=[[1], [2]])
@@ -148,7 +152,7 @@ def test_sft_policy_loads_with_its_tokenizer_and_stops_with_eos(smoke):
 
 
 def test_completion_loss_is_only_on_completion_tokens():
-    from rloo_engine.tiny_models import train_tokenizer
+    from rloo_engine.testing.tiny_models import train_tokenizer
 
     tok = train_tokenizer(["describe the night.\nthe moon."] * 10, vocab_size=300, chat_template=None)
     ids, labels = demo_sft.tokenize_example(tok, "describe the night.\n", "the moon.")
@@ -165,7 +169,7 @@ def test_reward_model_beats_chance_on_held_out_pairs(smoke):
 def test_reward_model_scores_through_the_engine_reward_source_as_in_training(smoke):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from rloo_engine.rewards import RewardModelSource
+    from rloo_engine.reward_sources import RewardModelSource
 
     source = RewardModelSource(str(smoke.reward_model_dir), batch_size=3)
     assert source.model.config.num_labels == 1 and source.model.config.pad_token_id is not None
@@ -249,9 +253,9 @@ def test_recommended_train_settings_are_valid_rloo_configs(train, tmp_path):
 
 @pytest.mark.parametrize("generation", [DEMO_EVAL_GENERATION, SMOKE_EVAL_GENERATION])
 def test_recommended_eval_generation_settings_are_valid(generation):
-    from rloo_engine.evaluation.config import GenerationConfig
+    from rloo_engine.evaluation.config import EvalGenerationConfig
 
-    GenerationConfig(**generation)
+    EvalGenerationConfig(**generation)
 
 
 def test_smoke_rloo_run_trains_on_the_assets(smoke, tmp_path):

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from rloo_engine import algorithm as A
-from rloo_engine import tiny_models
 from rloo_engine.logprobs import chunkable_head, chunked_token_log_probs
 from rloo_engine.rollout import completion_token_logps
+from rloo_engine.testing import tiny_models
 
 
 def _head(vocab=97, hidden=16, bias=False, dtype=torch.float32):
@@ -99,7 +99,7 @@ def test_a_training_run_with_chunked_log_probs_matches_the_full_logits_run(tmp_p
         trainer = RLOOTrainer(cfg)
         head_outputs = []
         trainer.acc.unwrap_model(trainer.policy).lm_head.register_forward_hook(
-            lambda m, a, out: head_outputs.append(out.shape[1]))
+            lambda m, a, out, seen=head_outputs: seen.append(out.shape[1]))
         trainer.train()
         assert (0 in head_outputs) == chunked  # the chunked runs really bypassed the full logits
         weights[chunked] = {k: v.detach().clone() for k, v in trainer.acc.unwrap_model(trainer.policy).state_dict().items()}

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from rloo_engine.cli import parse_train_args
-from rloo_engine.config import ConfigError
+from rloo_engine.config_base import ConfigError
 from tests.engine.helpers import prompt_file, read_metrics
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from rloo_engine import cli
-from rloo_engine.config import ConfigError, build_config
+from rloo_engine.config import build_config
+from rloo_engine.config_base import ConfigError
 from rloo_engine.evaluation.cli import parser as evaluate_parser
 from tests.engine.helpers import prompt_file
 
@@ -49,7 +50,7 @@ def test_several_unknown_flags_each_get_their_suggestion(capsys):
 
 
 def test_every_command_refuses_abbreviations(capsys):
-    from flows.cli import run_from_command_line
+    from flows.command_line import run_from_command_line
     from flows.demo import main as demo_main
 
     assert "did you mean --config?" in usage_error(capsys, evaluate_parser().parse_args, ["--conf", "x.yaml"])

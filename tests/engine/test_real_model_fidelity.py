@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rloo_engine.config import ConfigError
-from rloo_engine.tiny_chat_models import build_chat_model
-from rloo_engine.tiny_models import build_reward_model
+from rloo_engine.config_base import ConfigError
+from rloo_engine.testing.tiny_chat_models import build_chat_model
+from rloo_engine.testing.tiny_models import build_reward_model
 from rloo_engine.trainer import RLOOTrainer
 from tests.engine.helpers import prompt_file, read_metrics, tiny_config
 

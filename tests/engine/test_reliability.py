@@ -19,10 +19,11 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from rloo_engine import checkpoint as ckpt
-from rloo_engine.config import ConfigError
-from rloo_engine.rewards import RewardError
+from rloo_engine.config_base import ConfigError
+from rloo_engine.fault_injection import CRASH_ENV
+from rloo_engine.reward_sources import RewardError
 from rloo_engine.run_lock import OutputDirLocked, acquire_run_lock
-from rloo_engine.trainer import CRASH_ENV, RLOOTrainer
+from rloo_engine.trainer import RLOOTrainer
 from tests.engine.helpers import read_metrics, tiny_config
 from tests.engine.test_cli_and_processes import REPO, run
 
@@ -363,7 +364,7 @@ def test_bad_resume_path_is_found_before_models_load(tmp_path, unloadable_policy
 
 def test_reward_model_tokenizer_larger_than_its_vocab_is_found_before_models_load(tmp_path, unloadable_policy,
                                                                                  reward_model):
-    from rloo_engine import tiny_models
+    from rloo_engine.testing import tiny_models
 
     rm = tmp_path / "rm"
     shutil.copytree(reward_model, rm)

@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from rloo_engine.fault_injection import CHECKPOINT_POINTS, KILL_ENV, KILL_POINTS, STEP_POINTS
 from tests.engine.helpers import read_metrics, tiny_config
-from tests.engine.test_reliability import engine_env, write_config
 from tests.engine.test_cli_and_processes import REPO
+from tests.engine.test_reliability import engine_env, write_config
 
 MAX_STEPS, SAVE_STEPS, KILLS, SEED = 10, 2, 5, 10  # seed 10: kills at every kind of point
 

@@ -1,4 +1,4 @@
-"""Tests for rloo_engine.rewards: reward model scoring, reward functions, and their weighted combination.
+"""Tests for rloo_engine.reward_sources: reward model scoring, reward functions, and their weighted combination.
 
 The reward functions below are referenced by import path (`tests.engine.test_rewards:number_reward`),
 the way a config names them.
@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from rloo_engine import tiny_models
-from rloo_engine.config import ConfigError, RLOOConfig
-from rloo_engine.rewards import (
+from rloo_engine.config import RLOOConfig
+from rloo_engine.config_base import ConfigError
+from rloo_engine.reward_sources import (
     RewardError,
     RewardModelSource,
     RewardSource,
@@ -24,6 +24,7 @@ from rloo_engine.rewards import (
     compute_rewards,
     load_reward_function,
 )
+from rloo_engine.testing import tiny_models
 
 HERE = "tests.engine.test_rewards"
 TEXTS = ["the cat", "a quick brown fox jumps over the lazy dog", "sun", "the big red house in the garden sings"]
@@ -142,6 +143,26 @@ def test_async_function_can_be_called_directly():
 def test_load_reward_function_errors_name_the_path(path, message):
     with pytest.raises(ConfigError, match=message):
         load_reward_function(path)
+
+
+def test_a_module_whose_import_fails_is_named_as_failing_not_missing(tmp_path, monkeypatch):
+    (tmp_path / "needs_missing_dep.py").write_text("import no_such_dependency_xyz\n\ndef fn(**kw):\n    return []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"importing module 'needs_missing_dep' failed: No module named 'no_such_depend"):
+        load_reward_function("needs_missing_dep:fn")
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("rloo_engine.demo.task:gold_reward", "rloo_engine.demo.toy_task:gold_reward"),
+        ("rloo_engine.rewards:FunctionRewardSource", "rloo_engine.reward_sources:FunctionRewardSource"),
+    ],
+)
+def test_a_moved_module_in_a_config_names_its_new_path(old, new):
+    with pytest.raises(ConfigError, match=rf"reward_funcs: {old}: module .* was renamed in rloo-pipeline 0.2.0; write '{new}'"):
+        load_reward_function(old)
+    assert load_reward_function(new).name == new.rpartition(":")[2]
 
 
 # ---------------------------------------------------------------- combination

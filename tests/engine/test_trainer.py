@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rloo_engine import models
-from rloo_engine.trainer import CRASH_ENV, RLOOTrainer
+from rloo_engine.fault_injection import CRASH_ENV
+from rloo_engine.trainer import RLOOTrainer
 from tests.engine.helpers import prompt_file, read_metrics, tiny_config
 
 

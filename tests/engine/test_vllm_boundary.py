@@ -13,12 +13,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rloo_engine.config import ConfigError
+from rloo_engine.config_base import ConfigError
 from rloo_engine.generation import SamplingParams
 
 
 class FakeLLM:
-    instances: list["FakeLLM"] = []
+    instances: list[FakeLLM] = []
 
     def __init__(self, **kwargs):
         self.kwargs, self.requests, self.loaded, self.cache_resets = kwargs, [], [], 0

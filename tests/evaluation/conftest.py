@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from rloo_engine.evaluation import EvalConfig
-from rloo_engine.evaluation.fake_openai_server import FakeOpenAIServer
+from rloo_engine.testing.fake_openai_server import FakeOpenAIServer
 from tests.evaluation.eval_helpers import API_KEY, API_KEY_ENV, config_values, make_eval_files
 
 

@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from rloo_engine.evaluation import BudgetExceededError, ConfigError, EvalConfig, run_evaluation
-from rloo_engine.evaluation.checks import UntrustworthyResultError
 from rloo_engine.evaluation.config import build_eval_config
+from rloo_engine.evaluation.result_checks import UntrustworthyResultError
 from tests.evaluation.eval_helpers import API_KEY, API_KEY_ENV, config_values, make_eval_files
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from rloo_engine.evaluation import EvalConfig, run_evaluation, stats
-from rloo_engine.evaluation.checks import pairing_warnings
 from rloo_engine.evaluation.judges.base import Judgment
 from rloo_engine.evaluation.pairings import PairItem, combine_orders
 from rloo_engine.evaluation.report import format_summary
+from rloo_engine.evaluation.result_checks import pairing_warnings
 from rloo_engine.evaluation.scoring import JudgedItem, summarize_pairing
 from tests.evaluation.eval_helpers import write_jsonl
 

@@ -116,7 +116,7 @@ def test_cli_runs_an_evaluation_and_prints_a_summary(tmp_path, eval_files, capsy
     [
         ("judge: [unclosed", "not valid YAML"),
         ("prompts: PROMPTS\njudge: {backend: python, function: nope}\n", "judge.function: 'nope'"),
-        ("prompts: PROMPTS\njudge: {backend: python, function: 'no_such_module_xyz:f'}\n", "cannot import module"),
+        ("prompts: PROMPTS\njudge: {backend: python, function: 'no_such_module_xyz:f'}\n", "module 'no_such_module_xyz' not found"),
         (
             "prompts: PROMPTS\nreference_column: summary\n"
             "judge: {backend: python, function: 'tests.evaluation.eval_helpers:prefer_longer'}\n",

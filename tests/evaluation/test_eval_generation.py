@@ -8,11 +8,11 @@ import pytest
 import yaml
 
 from rloo_engine import cli as rloo_cli
-from rloo_engine.evaluation import EvalConfig, GenerationConfig, run_evaluation
+from rloo_engine.evaluation import EvalConfig, EvalGenerationConfig, run_evaluation
 from rloo_engine.evaluation import generate as generate_module
 from rloo_engine.evaluation.data import EvalPrompt, prompt_id, read_jsonl
 from rloo_engine.evaluation.generate import generate_completions, generate_or_reuse
-from rloo_engine.tiny_models import synthetic_corpus
+from rloo_engine.testing.tiny_models import synthetic_corpus
 from tests.evaluation.eval_helpers import write_jsonl
 
 TEXTS = synthetic_corpus(num_lines=7, seed=5)  # prompts of different lengths, so batches need padding
@@ -27,14 +27,14 @@ def test_batched_greedy_generation_equals_one_prompt_at_a_time(qwen2_model):
     batched = generate_completions(
         str(qwen2_model),
         prompts,
-        GenerationConfig(max_new_tokens=6, batch_size=4),
+        EvalGenerationConfig(max_new_tokens=6, batch_size=4),
         field="policy_model_path",
         progress=False,
     )
     single = generate_completions(
         str(qwen2_model),
         prompts,
-        GenerationConfig(max_new_tokens=6, batch_size=1),
+        EvalGenerationConfig(max_new_tokens=6, batch_size=1),
         field="policy_model_path",
         progress=False,
     )
@@ -45,7 +45,7 @@ def test_batched_greedy_generation_equals_one_prompt_at_a_time(qwen2_model):
 def test_chat_prompts_use_the_chat_template(qwen2_model):
     prompts = _prompts([[{"role": "user", "content": "the cat sat on the mat"}]])
     out = generate_completions(
-        str(qwen2_model), prompts, GenerationConfig(max_new_tokens=4), field="policy_model_path", progress=False
+        str(qwen2_model), prompts, EvalGenerationConfig(max_new_tokens=4), field="policy_model_path", progress=False
     )
     assert list(out) == [prompt_id([{"role": "user", "content": "the cat sat on the mat"}])]
 
@@ -53,7 +53,7 @@ def test_chat_prompts_use_the_chat_template(qwen2_model):
 def test_generated_completions_are_saved_with_stable_ids_and_reused(qwen2_model, tmp_path, monkeypatch):
     prompts = _prompts()
     out = tmp_path / "policy.jsonl"
-    gen = GenerationConfig(max_new_tokens=4)
+    gen = EvalGenerationConfig(max_new_tokens=4)
     first = generate_or_reuse(str(qwen2_model), prompts, gen, out, field="policy_model_path", progress=False)
     rows = read_jsonl(out)
     assert [r["prompt_id"] for r in rows] == [prompt_id(r["prompt"]) for r in rows] == [p.prompt_id for p in prompts]
@@ -67,7 +67,7 @@ def test_generated_completions_are_saved_with_stable_ids_and_reused(qwen2_model,
         generate_or_reuse(
             str(qwen2_model),
             prompts,
-            GenerationConfig(max_new_tokens=5),
+            EvalGenerationConfig(max_new_tokens=5),
             out,
             field="policy_model_path",
             progress=False,
@@ -79,7 +79,7 @@ def test_a_bad_model_path_is_a_config_error_naming_the_option(tmp_path):
 
     with pytest.raises(ConfigError, match="sft_model_path: cannot load"):
         generate_completions(
-            str(tmp_path / "nope"), _prompts(), GenerationConfig(), field="sft_model_path", progress=False
+            str(tmp_path / "nope"), _prompts(), EvalGenerationConfig(), field="sft_model_path", progress=False
         )
 
 

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from rloo_engine.evaluation import EvalConfig, JudgeConfig, run_evaluation
-from rloo_engine.evaluation.checks import UntrustworthyResultError
 from rloo_engine.evaluation.judges.base import SlotPair
 from rloo_engine.evaluation.judges.hf_judge import HFJudge
 from rloo_engine.evaluation.judges.python_judge import PythonJudge
 from rloo_engine.evaluation.judges.reward_model_judge import RewardModelJudge
 from rloo_engine.evaluation.report import TABLE_COLUMNS
+from rloo_engine.evaluation.result_checks import UntrustworthyResultError
 from rloo_engine.evaluation.templates import load_template
 from tests.evaluation.eval_helpers import write_jsonl
 
@@ -176,7 +176,7 @@ def test_the_table_is_ready_for_mlflow_log_table(tmp_path, monkeypatch):
 
 def test_a_reward_model_with_two_labels_is_rejected(tiny_dir, policy_tokenizer):
     from rloo_engine.evaluation import ConfigError
-    from rloo_engine.tiny_models import build_reward_model
+    from rloo_engine.testing.tiny_models import build_reward_model
 
     path = build_reward_model(tiny_dir / "rm_two_labels", policy_tokenizer, num_labels=2)
     judge = RewardModelJudge(JudgeConfig(backend="reward_model", model=str(path)))

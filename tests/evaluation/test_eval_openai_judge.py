@@ -10,9 +10,9 @@ from contextlib import closing
 import pytest
 
 from rloo_engine.evaluation import JudgeEndpointError, run_evaluation
-from rloo_engine.evaluation.checks import UntrustworthyResultError
-from rloo_engine.evaluation.fake_openai_server import rate_limited, slow_first
 from rloo_engine.evaluation.pairings import orders_for
+from rloo_engine.evaluation.result_checks import UntrustworthyResultError
+from rloo_engine.testing.fake_openai_server import rate_limited, slow_first
 from tests.evaluation.eval_helpers import API_KEY
 
 

@@ -13,11 +13,11 @@ import pytest
 import yaml
 
 from rloo_engine.evaluation import ConfigError, EvalConfig, EvaluationError, JudgeEndpointError, run_evaluation
-from rloo_engine.evaluation.checks import UntrustworthyResultError
 from rloo_engine.evaluation.cli import main as evaluate_main
-from rloo_engine.evaluation.fake_openai_server import FakeReply, sensible, verdict_text
 from rloo_engine.evaluation.parsing import parse_verdict
-from tests.evaluation.eval_helpers import API_KEY, config_values, make_eval_files, write_jsonl
+from rloo_engine.evaluation.result_checks import UntrustworthyResultError
+from rloo_engine.testing.fake_openai_server import FakeReply, sensible, verdict_text
+from tests.evaluation.eval_helpers import API_KEY, make_eval_files, write_jsonl
 
 
 # ---------------------------------------------------------------- 3. a run that judged nothing fails

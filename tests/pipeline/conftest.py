@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
-from rloo_engine import tiny_models
+from rloo_engine.testing import tiny_models
 from tests.pipeline.pipeline_helpers import REPO_ROOT, tiny_pipeline_config
 
 BIN = Path(sys.executable).parent

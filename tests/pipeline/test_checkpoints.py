@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from rloo_engine import tiny_models
-from rloo_engine.config import ConfigError
-from rloo_engine.rewards import RewardError
-from tasks.checkpoints import content_digest, inspect_checkpoint, materialize_source, source_kind
-from tasks.config import DataSection, RewardSection
-from tasks.reward import probe_rewards
+from rloo_engine.config_base import ConfigError
+from rloo_engine.pipeline.config import DataSection, RewardSection
+from rloo_engine.pipeline.input_checkpoints import content_digest, inspect_checkpoint, materialize_source, source_kind
+from rloo_engine.pipeline.reward_probe import probe_rewards
+from rloo_engine.reward_sources import RewardError
+from rloo_engine.testing import tiny_models
 
 
 def test_facts_of_a_causal_lm(qwen2_model):

@@ -7,14 +7,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rloo_engine.config import ConfigError
-from tasks.config import (
+from rloo_engine.config_base import ConfigError
+from rloo_engine.pipeline.config import (
     PIPELINE_OWNED_ENGINE_FIELDS,
     PipelineConfig,
     TrainOptions,
     build_pipeline_config,
 )
-from tasks.profiles import resolve_profile
+from rloo_engine.pipeline.profiles import resolve_profile
+from rloo_engine.pipeline.tracking import flat_params
 from tests.pipeline.pipeline_helpers import REPO_ROOT, tiny_pipeline_config
 
 ASSETS = {
@@ -67,7 +68,7 @@ def test_cross_section_engine_rules_are_checked_up_front():
         ({"reward__model": None, "reward__functions": []}, "neither `model` nor `functions` is set"),
         (
             {"evaluation__judge": {"backend": "python"}},
-            "evaluation.judge: function: None; the python judge needs an import path",
+            "PipelineConfig: evaluation.judge.function: None; the python judge needs an import path",
         ),
         ({"launch__num_processes": 0}, "launch.num_processes: Input should be greater than or equal to 1"),
     ],
@@ -96,7 +97,7 @@ def test_overrides_are_dotted_keys_and_validated():
 
 
 def test_params_have_stable_dotted_names_and_json_values():
-    params = build_pipeline_config(config()).flat_params()
+    params = flat_params(build_pipeline_config(config()).model_dump(mode="json"))
     assert params["train.learning_rate"] == "0.003"
     assert params["train.log_completions"] == "true"
     assert params["train.reward_clip_range"] == "null"
@@ -137,15 +138,15 @@ def test_shipped_example_config_and_prefect_yaml_are_valid():
 def test_accelerate_profiles_load(profile):
     from accelerate.commands.config.config_args import load_config_from_file
 
-    path = resolve_profile(profile, REPO_ROOT, {})
+    path = resolve_profile(profile, {})
     assert path == REPO_ROOT / "deployments" / "accelerate" / f"{profile}.yaml"
     assert load_config_from_file(str(path)).compute_environment.value == "LOCAL_MACHINE"
 
 
 def test_profile_comes_from_config_then_job_variable():
-    assert resolve_profile("cpu", REPO_ROOT, {"RLOO_ACCELERATE_PROFILE": "multi_gpu"}).name == "cpu.yaml"
-    assert resolve_profile(None, REPO_ROOT, {"RLOO_ACCELERATE_PROFILE": "multi_gpu"}).name == "multi_gpu.yaml"
+    assert resolve_profile("cpu", {"RLOO_ACCELERATE_PROFILE": "multi_gpu"}).name == "cpu.yaml"
+    assert resolve_profile(None, {"RLOO_ACCELERATE_PROFILE": "multi_gpu"}).name == "multi_gpu.yaml"
     with pytest.raises(ConfigError, match=r"launch.profile: 'tpu' is neither one of cpu, single_gpu"):
-        resolve_profile("tpu", REPO_ROOT, {})
+        resolve_profile("tpu", {})
     with pytest.raises(ConfigError, match=r"\$RLOO_ACCELERATE_PROFILE: 'gpu'"):
-        resolve_profile(None, REPO_ROOT, {"RLOO_ACCELERATE_PROFILE": "gpu"})
+        resolve_profile(None, {"RLOO_ACCELERATE_PROFILE": "gpu"})

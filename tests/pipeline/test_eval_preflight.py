@@ -14,7 +14,8 @@ pytestmark = pytest.mark.slow
     [
         (
             {"evaluation.judge.function": "tests.pipeline.judge_rules:no_such_rule"},
-            "judge.function: 'tests.pipeline.judge_rules:no_such_rule'",
+            "evaluation.judge.function: tests.pipeline.judge_rules:no_such_rule: tests.pipeline.judge_rules has no "
+            "attribute 'no_such_rule'",
         ),
         ({"data.reference_column": "no_such_column"}, "data.reference_column: 'no_such_column'"),
     ],

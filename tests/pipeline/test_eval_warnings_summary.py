@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tasks.evaluate import warning_tags
-from tasks.summary import render_markdown
+from rloo_engine.pipeline.run_summary import render_markdown
+from rloo_engine.pipeline.tracking import warning_tags
 
 WARNINGS = [
     "policy_vs_reference: position bias: consistency 36.0% < min_consistency 60%; the judge answers by slot ...",

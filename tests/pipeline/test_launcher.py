@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from rloo_engine.config import ConfigError
-from tasks.launcher import LaunchTimeout, ThrottledLineLogger, group_alive, run_in_process_group
-from tasks.train import EngineConfigError, EngineCrashed, engine_exit_code, raise_for_exit
+from rloo_engine.config_base import ConfigError
+from rloo_engine.pipeline.launcher import LaunchTimeout, ThrottledLineLogger, group_alive, run_in_process_group
+from rloo_engine.pipeline.train_launch import EngineConfigError, EngineCrashed, engine_exit_code, raise_for_exit
 
 # A parent that starts a long-lived grandchild (like accelerate starting the engine), then talks and waits.
 FAMILY = (

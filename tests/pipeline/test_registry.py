@@ -8,11 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from tasks.checkpoints import CheckpointInfo, content_digest, inspect_checkpoint, materialize_source
-from tasks.config import PromotionGate, TrackingSection
-from tasks.evaluate import EvalSummary
-from tasks.registry import promotion_decision
-from tasks.train import TrainResult
+from rloo_engine.pipeline.config import PromotionGate, TrackingSection
+from rloo_engine.pipeline.input_checkpoints import (
+    CheckpointInfo,
+    content_digest,
+    inspect_checkpoint,
+    materialize_source,
+)
+from rloo_engine.pipeline.promotion import promotion_decision
+from rloo_engine.pipeline.stage_results import EvalSummary, TrainStageResult
 
 
 def evaluation(ci_low: float | None, pairing: str = "policy_vs_sft") -> EvalSummary:
@@ -67,7 +71,8 @@ def promote_flow(services, tracking_cfg: TrackingSection, final_dir: Path, sft: 
     """A flow that opens a parent run and a finished `train` run (as the pipeline would), then runs the gate."""
     from prefect import flow
 
-    from tasks import registry, tracking
+    from rloo_engine.pipeline import tracking
+    from tasks import registry
 
     @flow(name="registry-test")
     def promote() -> tuple[registry.Promotion, str, str]:
@@ -75,7 +80,7 @@ def promote_flow(services, tracking_cfg: TrackingSection, final_dir: Path, sft: 
         train_run, _ = tracking.child_run(parent, "train")
         with tracking.run_status(train_run):
             tracking.log_metrics(train_run, {"reward": 0.2}, step=8)
-        trained = TrainResult(
+        trained = TrainStageResult(
             final_dir=str(final_dir),
             output_dir=str(tmp_path),
             global_step=8,

@@ -12,8 +12,8 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from tasks.launcher import group_alive, run_in_process_group
-from tasks.train import EngineCrashed, engine_exit_code, raise_for_exit, record_exit
+from rloo_engine.pipeline.launcher import group_alive, run_in_process_group
+from rloo_engine.pipeline.train_launch import EngineCrashed, engine_exit_code, raise_for_exit, record_exit
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,7 +31,7 @@ LAUNCHER = (
 FLOW_RUN = (
     "import os, sys\n"
     "from pathlib import Path\n"
-    "from tasks.launcher import run_in_process_group\n"
+    "from rloo_engine.pipeline.launcher import run_in_process_group\n"
     "def on_line(line):\n"
     "    print(line, flush=True)\n"
     f"run_in_process_group([sys.executable, '-c', {LAUNCHER!r}], env=dict(os.environ), "
@@ -86,7 +86,7 @@ def test_a_killed_engine_under_accelerate_launch_is_reported_as_sigkill(tmp_path
 
 
 def test_the_exit_cause_is_an_mlflow_tag_of_the_train_run(tmp_path):
-    from tasks.tracking import RunRef
+    from rloo_engine.pipeline.tracking import RunRef
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = mlflow.MlflowClient(uri)

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from rloo_engine.config import ConfigError
-from tasks.config import build_pipeline_config
+from rloo_engine.config_base import ConfigError
+from rloo_engine.pipeline.config import build_pipeline_config
+from rloo_engine.pipeline.environment import scoped_env
+from rloo_engine.pipeline.tracking import RunRef, flat_params
 from tasks.evaluate import _judge_secret
-from tasks.secrets import scoped_env, secret_env
-from tasks.tracking import RunRef
+from tasks.secrets import secret_env
 from tasks.train import _training_env
 from tests.pipeline.pipeline_helpers import tiny_pipeline_config
 
@@ -54,4 +55,4 @@ def test_secret_blocks_feed_the_training_process_and_the_judge_only(services, mo
     with scoped_env(judge):
         assert os.environ["JUDGE_KEY"] == "sk-from-the-block"
     assert os.environ["JUDGE_KEY"] == "sk-from-the-worker-env"
-    assert "sk-from-the-block" not in cfg.model_dump_json() and "hf_secret_value" not in str(cfg.flat_params())
+    assert "sk-from-the-block" not in cfg.model_dump_json() and "hf_secret_value" not in str(flat_params(cfg.model_dump(mode="json")))

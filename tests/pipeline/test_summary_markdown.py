@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tasks.summary import headline, render_markdown
+from rloo_engine.pipeline.run_summary import headline, render_markdown
 
 
 def summary(passed: bool = True, error: str | None = None) -> dict:

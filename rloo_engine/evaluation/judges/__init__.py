@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from rloo_engine.config import ConfigError
+from rloo_engine.config_base import ConfigError
 from rloo_engine.evaluation.budget import SpendTracker
 from rloo_engine.evaluation.config import JudgeConfig
 from rloo_engine.evaluation.judges.base import Judge, Judgment, SlotPair

@@ -12,7 +12,6 @@ batch, not one per judgment.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -66,7 +65,7 @@ class ChatHTTPClient:
             async with self._open().post(self.url, data=data) as response:
                 raw = await response.read()
                 status, headers = response.status, response.headers
-        except asyncio.TimeoutError as err:  # aiohttp's connect and read timeouts are TimeoutError subclasses
+        except TimeoutError as err:  # aiohttp's connect and read timeouts are TimeoutError subclasses
             raise RequestTimedOut(str(err) or "timed out") from err
         except aiohttp.ClientConnectorError as err:
             raise ConnectFailed(str(err)) from err

@@ -14,31 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rloo_engine.config import ConfigError
 from rloo_engine.evaluation.config import JudgeConfig
 from rloo_engine.evaluation.judges.base import Judge, Judgment, OnJudgment, SlotPair
 from rloo_engine.evaluation.parsing import parse_label
-
-
-def import_function(path: str, field: str = "judge.function") -> Callable[..., Any]:
-    """The callable named by `module:function` (nested attributes allowed: `module:Class.method`)."""
-    module_name, _, attr = path.partition(":")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ConfigError(f"{field}: {path!r}: cannot import module {module_name!r}: {err}") from None
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise ConfigError(f"{field}: {path!r}: module {module_name!r} has no attribute {attr!r}")
-        target = getattr(target, part)
-    if not callable(target):
-        raise ConfigError(f"{field}: {path!r} is a {type(target).__name__}, not a function")
-    return target
+from rloo_engine.import_paths import load_callable
 
 
 def _source_hash(fn: Callable[..., Any]) -> str:
@@ -60,7 +43,7 @@ class PythonJudge(Judge):
     def __init__(self, cfg: JudgeConfig):
         assert cfg.function is not None
         self.function_path = cfg.function
-        self.fn = import_function(cfg.function)
+        self.fn = load_callable(cfg.function, "judge.function")
         self.batched = cfg.batched
         self.batch_size = cfg.batch_size if cfg.batched else 64
         self.is_async = inspect.iscoroutinefunction(self.fn)

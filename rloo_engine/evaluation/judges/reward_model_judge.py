@@ -1,6 +1,6 @@
 """The `reward_model` judge: a (gold) sequence-classification reward model scores each answer.
 
-Scoring is the training engine's (`rloo_engine.rewards.RewardModelSource`): `prompt + answer`
+Scoring is the training engine's (`rloo_engine.reward_sources.RewardModelSource`): `prompt + answer`
 re-tokenized with the reward model's own tokenizer, left-truncated to `max_length` so the answer
 is kept, the score read at the last real token. So the judge scores exactly as training rewarded.
 The verdict is the higher score; a gap at or below `tie_margin` is a tie. Scores are memoised per
@@ -14,7 +14,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from rloo_engine.config import ConfigError
+from rloo_engine.config_base import ConfigError
 from rloo_engine.evaluation.config import JudgeConfig
 from rloo_engine.evaluation.hf_models import weights_fingerprint
 from rloo_engine.evaluation.judges.base import Judge, Judgment, SlotPair
@@ -51,7 +51,7 @@ class RewardModelJudge(Judge):
         """Reward of each (prompt, answer)."""
         if self._source is None:
             from rloo_engine.evaluation.hf_models import resolve_device, resolve_dtype
-            from rloo_engine.rewards import RewardModelSource
+            from rloo_engine.reward_sources import RewardModelSource
 
             try:
                 self._source = RewardModelSource(

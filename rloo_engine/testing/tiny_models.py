@@ -81,7 +81,7 @@ def train_tokenizer(
     return wrapped
 
 
-def _lm_config(arch: str, vocab_size: int, pad_id: int, eos_id: int, hidden: int, layers: int, **extra):
+def lm_config(arch: str, vocab_size: int, pad_id: int, eos_id: int, hidden: int, layers: int, **extra):
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -113,7 +113,7 @@ def build_causal_lm(
 ) -> Path:
     """Saves a random-init causal LM (and its tokenizer) to `out_dir`; returns the path."""
     torch.manual_seed(seed)
-    cfg = _lm_config(arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, hidden, layers)
+    cfg = lm_config(arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, hidden, layers)
     model = AutoModelForCausalLM.from_config(cfg)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -134,7 +134,7 @@ def build_reward_model(
 ) -> Path:
     """Saves a random-init sequence classifier (`num_labels` outputs) with its tokenizer."""
     torch.manual_seed(seed)
-    cfg = _lm_config(
+    cfg = lm_config(
         arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, hidden, layers, num_labels=num_labels
     )
     model = AutoModelForSequenceClassification.from_config(cfg)

@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from rloo_engine.config import ConfigError
+from rloo_engine.config_base import ConfigError
 
 Kind = Literal["causal_lm", "reward_model"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

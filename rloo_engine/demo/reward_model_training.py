@@ -3,7 +3,7 @@
     loss = -log sigmoid(r(prompt, chosen) - r(prompt, rejected))
 
 r is read at the last real token of prompt + completion (right padding, found from the attention
-mask), exactly where `rloo_engine.rewards.RewardModelSource` reads it during RLOO. The backbone
+mask), exactly where `rloo_engine.reward_sources.RewardModelSource` reads it during RLOO. The backbone
 starts from the SFT policy's weights, as in InstructGPT: it already reads the task's language, so
 a minute of training is enough to learn the preference.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
-from rloo_engine.demo import task
+from rloo_engine.demo import toy_task
 from rloo_engine.demo.sft import fit, shuffled_batches
 
 
@@ -33,22 +33,22 @@ def preference_pairs(
     topic_pairs: list[tuple[str, str]],
     n: int,
     edit_fraction: float = 0.5,
-    min_margin: float = task.TIE_MARGIN,
+    min_margin: float = toy_task.TIE_MARGIN,
 ) -> list[PreferencePair]:
     """`n` pairs of completions for the same prompt, ordered by the gold rule; gold ties are skipped.
 
     A share `edit_fraction` of the pairs is a completion and a one-edit variant of it
-    (`task.edited_completion`); the rest are two independent `task.varied_completion` samples.
+    (`toy_task.edited_completion`); the rest are two independent `toy_task.varied_completion` samples.
     """
     pairs: list[PreferencePair] = []
     while len(pairs) < n:
-        prompt = task.sample_prompt(rng, topic_pairs)
-        a = task.varied_completion(rng, prompt)
+        prompt = toy_task.sample_prompt(rng, topic_pairs)
+        a = toy_task.varied_completion(rng, prompt)
         if rng.random() < edit_fraction:
-            b = task.edited_completion(rng, prompt, a)
+            b = toy_task.edited_completion(rng, prompt, a)
         else:
-            b = task.varied_completion(rng, prompt)
-        ga, gb = task.gold_score(prompt, a), task.gold_score(prompt, b)
+            b = toy_task.varied_completion(rng, prompt)
+        ga, gb = toy_task.gold_score(prompt, a), toy_task.gold_score(prompt, b)
         if abs(ga - gb) < min_margin:
             continue
         pairs.append(PreferencePair(prompt, a, b) if ga > gb else PreferencePair(prompt, b, a))

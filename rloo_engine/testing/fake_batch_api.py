@@ -3,8 +3,8 @@
 Speaks what the official client sends: `POST /v1/files` (multipart, purpose `batch`),
 `GET /v1/files/{id}/content`, `POST /v1/batches`, `GET /v1/batches/{id}`, `GET /v1/batches`
 (with `metadata`) and `POST /v1/batches/{id}/cancel`. A batch stays `in_progress` for
-`polls_to_finish` retrieves (or while `hold` is set), then runs every row through the server's
-chat behaviour: 200 replies go to the output file, others to the error file. `expire_after_rows=k`
+`polls_to_finish` retrieves (or while `hold` is set), then answers every row with the `reply` callable it
+was given (the server passes its chat behaviour): 200 replies go to the output file, others to the error file. `expire_after_rows=k`
 finishes only the first k rows and ends the batch `expired`, the rest in the error file as
 `batch_expired` (a partial expiry, as OpenAI reports it). Everything is counted for the tests.
 """
@@ -16,11 +16,12 @@ import json
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from rloo_engine.evaluation.fake_openai_server import FakeOpenAIServer
+# A chat-completions request body -> (HTTP status, response body), as the live endpoint would answer it.
+ReplyFn = Callable[[dict[str, Any]], tuple[int, Any]]
 
 _ids = itertools.count(1)
 
@@ -56,8 +57,8 @@ class FakeBatch:
 
 
 class FakeBatchAPI:
-    def __init__(self, server: FakeOpenAIServer, polls_to_finish: int = 2, expire_after_rows: int | None = None):
-        self.server = server
+    def __init__(self, reply: ReplyFn, polls_to_finish: int = 2, expire_after_rows: int | None = None):
+        self.reply = reply
         self.polls_to_finish = polls_to_finish
         self.expire_after_rows = expire_after_rows
         self.hold = False  # while True, batches stay in_progress however often they are polled
@@ -161,8 +162,7 @@ class FakeBatchAPI:
                     }
                 )
                 continue
-            _, reply = self.server.chat_reply(row["body"], "")
-            status, payload, _ = self.server.reply_payload(row["body"], reply)
+            status, payload = self.reply(row["body"])
             result = {
                 "id": f"batch_req_{i}",
                 "custom_id": row["custom_id"],

@@ -8,6 +8,7 @@ one child run per stage.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -18,9 +19,13 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from rloo_engine.config import ConfigError
+from rloo_engine.config_base import ConfigError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+# Where this code runs from: a git checkout (editable install) names its commit; an installed wheel has none.
+_SOURCE_DIR = Path(__file__).resolve().parents[2]
+MLFLOW_PARAM_LIMIT = 6000  # characters of one param value
+# Dict-valued options that are one value to the user (passed on whole), not sections of further options.
+_WHOLE_DICT_OPTIONS = ("generation_kwargs", "chat_template_kwargs", "extra_body", "env")
 
 TAG_FLOW_RUN = "prefect.flow_run_id"
 TAG_STAGE = "rloo.stage"
@@ -69,10 +74,10 @@ def git_sha() -> str:
         return os.environ["GIT_COMMIT"]
     try:
         sha = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+            ["git", "-C", str(_SOURCE_DIR), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+            ["git", "-C", str(_SOURCE_DIR), "status", "--porcelain", "--untracked-files=no"],
             capture_output=True,
             text=True,
             timeout=10,
@@ -189,11 +194,23 @@ def stage_run(parent: RunRef, stage: str) -> Iterator[RunRef]:
         yield ref
 
 
+def flat_params(values: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """A config dump as stable dotted names (`train.learning_rate`, `sft.source`, ...) and MLflow param strings."""
+    flat: dict[str, str] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value and key not in _WHOLE_DICT_OPTIONS:
+            flat.update(flat_params(value, name + "."))
+        else:
+            flat[name] = (value if isinstance(value, str) else json.dumps(value))[:MLFLOW_PARAM_LIMIT]
+    return flat
+
+
 def log_params(ref: RunRef, params: dict[str, Any]) -> None:
     """Logs params in batches; values are strings cut to MLflow's limit."""
     from mlflow.entities import Param
 
-    items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+    items = [Param(k, str(v)[:MLFLOW_PARAM_LIMIT]) for k, v in params.items()]
     c = client(ref.tracking_uri)
     for i in range(0, len(items), 100):
         c.log_batch(ref.run_id, params=items[i : i + 100])
@@ -226,3 +243,20 @@ def set_tags(ref: RunRef, tags: dict[str, Any]) -> None:
 def log_artifact(ref: RunRef, path: str | Path, artifact_path: str | None = None) -> None:
     if Path(path).exists():
         client(ref.tracking_uri).log_artifact(ref.run_id, str(path), artifact_path)
+
+
+def warning_tags(warnings: list[str]) -> dict[str, str]:
+    """{`evaluation.warning.<pairing>.<kind>`: message} for MLflow tags (values cut to MLflow's 5000 characters)."""
+    kinds = {
+        "position bias": "position_bias",
+        "length-controlled win rate not estimable": "lc_not_estimable",
+        "length-controlled": "lc_gap",
+        "have no verdict": "failed",
+        "lack a completion": "missing",
+    }
+    tags: dict[str, str] = {}
+    for warning in warnings:
+        pairing, _, text = warning.partition(": ")
+        kind = next((k for marker, k in kinds.items() if marker in text), "other")
+        tags[f"evaluation.warning.{pairing}.{kind}"] = warning[:5000]
+    return tags

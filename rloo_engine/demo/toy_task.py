@@ -110,7 +110,7 @@ def gold_judge(prompt: str, answer_a: str, answer_b: str) -> str:
 
 
 def gold_reward(prompts: list[str], completions: list[str], **_) -> list[float]:
-    """The gold rule as an RLOO reward function (`rloo_engine.demo.task:gold_reward`), for monitoring and ablations."""
+    """The gold rule as an RLOO reward function (`rloo_engine.demo.toy_task:gold_reward`), for monitoring and ablations."""
     return [gold_score(p, c) for p, c in zip(prompts, completions, strict=True)]
 
 

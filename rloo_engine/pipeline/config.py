@@ -12,23 +12,23 @@ block or the worker's environment (`evaluation.api_key_secret`, `launch.secret_e
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, Field, create_model, model_validator
 
-from rloo_engine.config import ConfigError, RLOOConfig, build_config, format_validation_error, load_yaml
+from rloo_engine.config import RLOOConfig, build_config
+from rloo_engine.config_base import ConfigError, F, StrictModel, load_yaml, validated
 from rloo_engine.evaluation.config import (
     EvalConfig,
-    GenerationConfig,
+    EvalGenerationConfig,
     JudgeConfig,
     PairingName,
     TokenPrice,
     build_eval_config,
 )
-from tasks.profiles import ACCELERATE_PROFILES, PROFILE_ENV
+from rloo_engine.pipeline.profiles import ACCELERATE_PROFILES, PROFILE_ENV
 
 # RLOOConfig options the pipeline fills in from its other sections or its run directory.
 PIPELINE_OWNED_ENGINE_FIELDS = {
@@ -45,16 +45,7 @@ PIPELINE_OWNED_ENGINE_FIELDS = {
 }
 
 
-def F(default: Any, doc: str, **kw: Any) -> Any:
-    """A documented field: `doc` says what it means, why the default, and when to change it."""
-    return Field(default, description=doc, **kw)
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SFTSection(_Section):
+class SFTSection(StrictModel):
     """The SFT checkpoint RLOO starts from (and the baseline the policy is judged against)."""
 
     source: str = F(
@@ -66,7 +57,7 @@ class SFTSection(_Section):
     revision: str | None = F(None, "Hub revision (branch, tag or commit) when `source` is a hub id.")
 
 
-class RewardSection(_Section):
+class RewardSection(StrictModel):
     """Where rewards come from: a reward model, reward functions, or both (weighted)."""
 
     model: str | None = F(
@@ -91,7 +82,7 @@ class RewardSection(_Section):
         return self
 
 
-class DataSection(_Section):
+class DataSection(StrictModel):
     """Training prompts, evaluation prompts and reference completions."""
 
     train_prompts: str = F(
@@ -123,7 +114,7 @@ def _train_options_model() -> type[BaseModel]:
     }
     return create_model(
         "TrainOptions",
-        __config__=ConfigDict(extra="forbid", populate_by_name=True),
+        __base__=StrictModel,
         __doc__="Engine options, with RLOOConfig's names and meanings (see docs/configuration.md).",
         **fields,
     )
@@ -132,7 +123,7 @@ def _train_options_model() -> type[BaseModel]:
 TrainOptions = _train_options_model()
 
 
-class LaunchSection(_Section):
+class LaunchSection(StrictModel):
     """How the training process is launched: `accelerate launch` with a profile from deployments/accelerate/."""
 
     profile: str | None = F(
@@ -184,12 +175,16 @@ class LaunchSection(_Section):
     )
 
 
+# EvaluationSection fields that are not EvalConfig's: every other field is passed on under its own name.
+_PIPELINE_ONLY_EVAL_FIELDS = ("num_samples", "api_key_secret")
+
+
 def _eval_field(name: str) -> Any:
     """EvalConfig's field `name` (default, constraints, description), so the two never drift apart."""
     return copy.deepcopy(EvalConfig.model_fields[name])
 
 
-class EvaluationSection(_Section):
+class EvaluationSection(StrictModel):
     """The judge evaluation: which judge, which pairings, how many prompts. See docs/evaluation.md."""
 
     judge: JudgeConfig = F(..., "The judge and how it is called (required: no paid API is ever picked by default).")
@@ -199,10 +194,10 @@ class EvaluationSection(_Section):
         "The promotion gate needs policy_vs_sft.",
     )
     num_samples: int | None = F(None, "Evaluate the first this many eval prompts. None = all.", ge=1)
-    order_mode: Literal["both", "single"] = F("both", "`both`: judge each pair in both orders (position-bias control).")
-    both_orders_rule: Literal["agree", "average"] = F("agree", "`agree`: a win counts only when both orders agree.")
-    generation: GenerationConfig = Field(
-        default_factory=GenerationConfig,
+    order_mode: Literal["both", "single"] = _eval_field("order_mode")
+    both_orders_rule: Literal["agree", "average"] = _eval_field("both_orders_rule")
+    generation: EvalGenerationConfig = Field(
+        default_factory=EvalGenerationConfig,
         description="How policy and SFT completions are generated (greedy by default).",
     )
     max_failed_fraction: float = _eval_field("max_failed_fraction")
@@ -210,11 +205,11 @@ class EvaluationSection(_Section):
     max_first_slot_deviation: float = _eval_field("max_first_slot_deviation")
     lc_min_overlap: float = _eval_field("lc_min_overlap")
     lc_warning_threshold: float = _eval_field("lc_warning_threshold")
-    bootstrap_resamples: int = F(2000, "Bootstrap resamples for each confidence interval.", ge=1000)
-    confidence_level: float = F(0.95, "Coverage of the confidence intervals.", gt=0.5, lt=1.0)
-    seed: int = F(0, "Seed of single-order coin flips and bootstraps.")
-    prices: dict[str, TokenPrice] = F({}, "Judge price table, USD per million tokens, keyed by judge model.")
-    budget_usd: float | None = F(None, "Stop before the judge spend could pass this many dollars.", gt=0.0)
+    bootstrap_resamples: int = _eval_field("bootstrap_resamples")
+    confidence_level: float = _eval_field("confidence_level")
+    seed: int = _eval_field("seed")
+    prices: dict[str, TokenPrice] = _eval_field("prices")
+    budget_usd: float | None = _eval_field("budget_usd")
     cache_path: str | None = F(
         None, "Shared SQLite judgment cache. None = one cache per flow run, in its evaluation directory."
     )
@@ -228,7 +223,7 @@ class EvaluationSection(_Section):
     )
 
 
-class PromotionGate(_Section):
+class PromotionGate(StrictModel):
     """When a trained policy becomes a registry candidate."""
 
     min_ci_low: float = F(
@@ -241,7 +236,7 @@ class PromotionGate(_Section):
     alias: str = F("candidate", "Registry alias moved to the new version when the gate passes.", min_length=1)
 
 
-class TrackingSection(_Section):
+class TrackingSection(StrictModel):
     """MLflow experiment and registry."""
 
     tracking_uri: str | None = F(
@@ -256,7 +251,7 @@ class TrackingSection(_Section):
     promotion: PromotionGate = Field(default_factory=PromotionGate, description="The promotion gate.")
 
 
-class PipelineConfig(_Section):
+class PipelineConfig(StrictModel):
     """All options of one pipeline run: ingest -> reward -> train -> evaluate -> register."""
 
     sft: SFTSection
@@ -322,37 +317,17 @@ class PipelineConfig(_Section):
     def eval_config(self, *, output_dir: str) -> EvalConfig:
         """The evaluation library's EvalConfig; policy and SFT paths are passed to `run_evaluation` separately."""
         e = self.evaluation
-        values: dict[str, Any] = dict(
+        values = e.model_dump(exclude=set(_PIPELINE_ONLY_EVAL_FIELDS))
+        values.update(
             prompts=self.data.eval_prompts,
             split=self.data.eval_split,
             prompt_column=self.data.prompt_column,
             reference_column=self.data.reference_column,
             reference_completions=self.data.reference_completions,
             max_prompts=e.num_samples,
-            generation=e.generation.model_dump(),
-            pairings=e.pairings,
-            judge=e.judge.model_dump(),
-            order_mode=e.order_mode,
-            both_orders_rule=e.both_orders_rule,
-            seed=e.seed,
-            bootstrap_resamples=e.bootstrap_resamples,
-            max_failed_fraction=e.max_failed_fraction,
-            min_consistency=e.min_consistency,
-            max_first_slot_deviation=e.max_first_slot_deviation,
-            lc_min_overlap=e.lc_min_overlap,
-            lc_warning_threshold=e.lc_warning_threshold,
-            confidence_level=e.confidence_level,
-            prices={k: v.model_dump() for k, v in e.prices.items()},
-            budget_usd=e.budget_usd,
             output_dir=output_dir,
-            cache_path=e.cache_path,
-            progress=e.progress,
         )
         return build_eval_config(values, source="PipelineConfig.evaluation")
-
-    def flat_params(self) -> dict[str, str]:
-        """Every option as a stable dotted name (`train.learning_rate`, `sft.source`, ...) for MLflow params."""
-        return {k: _param_value(v) for k, v in _flatten(self.model_dump(mode="json")).items()}
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -377,10 +352,7 @@ def build_pipeline_config(
     merged = copy.deepcopy(values)
     for dotted, value in (overrides or {}).items():
         _set_dotted(merged, dotted, value, source)
-    try:
-        return PipelineConfig.model_validate(merged)
-    except ValidationError as err:
-        raise ConfigError(format_validation_error(err, source)) from None
+    return validated(PipelineConfig, merged, source)
 
 
 def _set_dotted(values: dict[str, Any], dotted: str, value: Any, source: str) -> None:
@@ -394,17 +366,19 @@ def _set_dotted(values: dict[str, Any], dotted: str, value: Any, source: str) ->
     node[parts[-1]] = value
 
 
-def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value and key not in ("generation_kwargs", "chat_template_kwargs", "env"):
-            flat.update(_flatten(value, name + "."))
-        else:
-            flat[name] = value
-    return flat
+# EvalConfig field -> the PipelineConfig field it comes from, so errors name what the user wrote.
+_PIPELINE_FIELDS = {
+    "prompts": "data.eval_prompts",
+    "prompt_column": "data.prompt_column",
+    "reference_column": "data.reference_column",
+    "reference_completions": "data.reference_completions",
+    "judge.": "evaluation.judge.",
+}
 
 
-def _param_value(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value)
-    return text[:6000]  # MLflow's limit on a param value
+def pipeline_field_names(message: str) -> str:
+    """An evaluation-library error about `prompts`, `judge.model`, ... renamed to the PipelineConfig field it came from."""
+    for eval_name, pipeline_name in _PIPELINE_FIELDS.items():
+        if message.startswith(eval_name):
+            return pipeline_name + message[len(eval_name) :]
+    return message

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Real
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-from rloo_engine.config import ConfigError, RLOOConfig
+from rloo_engine.config import RLOOConfig
+from rloo_engine.config_base import ConfigError
 from rloo_engine.data import completion_text, is_conversational
+from rloo_engine.import_paths import load_callable
 
 
 class RewardError(RuntimeError):
@@ -139,7 +141,7 @@ class _PerTokenLogits:
         if output.dim() == 3:
             self.logits = output
 
-    def __enter__(self) -> "_PerTokenLogits":
+    def __enter__(self) -> _PerTokenLogits:
         if isinstance(self.head, torch.nn.Module):
             self._handle = self.head.register_forward_hook(self._hook)
         return self
@@ -178,21 +180,7 @@ class FunctionRewardSource:
 
 def load_reward_function(import_path: str) -> FunctionRewardSource:
     """Imports `package.module:function` and wraps it as a reward source named by its import path."""
-    module_name, sep, attr = import_path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"reward_funcs: {import_path!r}; expected an import path like 'my_pkg.rewards:length_reward'")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        raise ConfigError(f"reward_funcs: {import_path}: module {module_name!r} not found ({err})") from err
-    fn = module
-    for part in attr.split("."):  # allows `mod:Class.method` and `mod:instance`
-        if not hasattr(fn, part):
-            raise ConfigError(f"reward_funcs: {import_path}: {module_name} has no attribute {attr!r}")
-        fn = getattr(fn, part)
-    if not callable(fn):
-        raise ConfigError(f"reward_funcs: {import_path}: {attr} is a {type(fn).__name__}, not callable")
-    return FunctionRewardSource(import_path, fn)
+    return FunctionRewardSource(import_path, load_callable(import_path, "reward_funcs"))
 
 
 # Async reward functions often hold clients (HTTP, OpenAI) bound to the loop they first ran on, so every

@@ -14,8 +14,8 @@ from typing import Any
 import yaml
 
 from rloo_engine.argparsing import StrictArgumentParser
-from rloo_engine.config import ConfigError
-from tasks.config import PipelineConfig
+from rloo_engine.config_base import ConfigError
+from rloo_engine.pipeline.config import PipelineConfig
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rloo_engine.config import ConfigError, RLOOConfig
+from rloo_engine.config import RLOOConfig
+from rloo_engine.config_base import ConfigError
 
 
 def check_before_loading(cfg: RLOOConfig) -> None:
     """Raises ConfigError for a reward function that does not import, an output_dir that is a file, or a
     reward model whose tokenizer makes ids its embedding does not have (an IndexError only after every model loaded)."""
-    from rloo_engine.rewards import load_reward_function
+    from rloo_engine.reward_sources import load_reward_function
 
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():

@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from rloo_engine.tiny_models import _lm_config, synthetic_corpus
+from rloo_engine.testing.tiny_models import lm_config, synthetic_corpus
 
 QWEN_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -61,7 +61,7 @@ def build_chat_model(out_dir: str | Path, style: str, attention_dropout: float =
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     arch = "qwen2" if style == "qwen" else "llama"
     torch.manual_seed(seed)
-    cfg = _lm_config(arch, len(tok), pad_id, tok.eos_token_id, 32, 2, attention_dropout=attention_dropout)
+    cfg = lm_config(arch, len(tok), pad_id, tok.eos_token_id, 32, 2, attention_dropout=attention_dropout)
     if tok.bos_token_id is not None:
         cfg.bos_token_id = tok.bos_token_id
     model = AutoModelForCausalLM.from_config(cfg)

@@ -15,7 +15,7 @@ Authorization header) and answers through a *behaviour*: a function from the par
     unauthorized    401 with an OpenAI-style body echoing the key (to test redaction)
 
 Use in-process (`with FakeOpenAIServer("sensible") as server: server.base_url`), or as a separate
-process, `python -m rloo_engine.evaluation.fake_openai_server --latency 0.1`, which prints
+process, `python -m rloo_engine.testing.fake_openai_server --latency 0.1`, which prints
 `PORT <n>` and serves until stdin closes; the bench uses that so the server does not share the
 client's interpreter lock.
 """
@@ -36,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
+
+from rloo_engine.testing.fake_batch_api import FakeBatchAPI
 
 _ANSWERS_RE = re.compile(r"(?:Summary|Response) A:\n(.*?)\n\n(?:Summary|Response) B:\n(.*?)\n\nFIRST", re.DOTALL)
 
@@ -179,9 +181,7 @@ class FakeOpenAIServer:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
-        from rloo_engine.evaluation.fake_batch_api import FakeBatchAPI  # the Files + Batches endpoints
-
-        self.batch_api = FakeBatchAPI(self)
+        self.batch_api = FakeBatchAPI(self._batch_row_reply)  # the Files + Batches endpoints
 
     @property
     def port(self) -> int:
@@ -320,6 +320,10 @@ class FakeOpenAIServer:
             body, match.group(1) if match else None, match.group(2) if match else None, is_reask, seen, authorization
         )
         return request, self.behaviour(request)
+
+    def _batch_row_reply(self, body: dict[str, Any]) -> tuple[int, Any]:
+        status, payload, _ = self.reply_payload(body, self.chat_reply(body, "")[1])
+        return status, payload
 
     def reply_payload(self, body: dict[str, Any], reply: FakeReply) -> tuple[int, Any, dict[str, str]]:
         messages = body.get("messages") or []

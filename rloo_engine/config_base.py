@@ -1,0 +1,72 @@
+"""The one base of every config (RLOOConfig, EvalConfig, PipelineConfig): error type, field helper, strict model,
+error formatter and YAML loader, so the three read, fail and report alike."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field, the value and what was expected."""
+
+
+def F(default: Any, doc: str, **kw: Any) -> Any:
+    """A documented field: `doc` says what it means, why the default, and when to change it."""
+    return Field(default, description=doc, **kw)
+
+
+class StrictModel(BaseModel):
+    """Unknown keys are errors (a misspelt option never passes silently), and assignments are validated too."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
+Model = TypeVar("Model", bound=BaseModel)
+
+# A validator's message that names its own field first: "model: not set; ...".
+_FIELD_FIRST = re.compile(r"([a-z_]+): ")
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    """One line per problem, `<source>: <dotted.field>: <message> (got <value>)`."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown option; check the spelling against docs/configuration.md"
+        elif e["type"] == "missing":
+            msg = "required option is missing"
+        elif e["type"] == "value_error" and loc and (m := _FIELD_FIRST.match(msg)) and m.group(1) != loc.split(".")[-1]:
+            # A nested model's validator names its field: judge + "model: not set" -> judge.model: not set.
+            loc, msg = f"{loc}.{m.group(1)}", msg[m.end():]
+        got = f" (got {e['input']!r})" if e["type"] not in ("missing", "value_error") and "input" in e else ""
+        lines.append(f"{source}: {loc}: {msg}{got}" if loc else f"{source}: {msg}")
+    return "\n".join(lines)
+
+
+def validated(model: type[Model], values: dict[str, Any], source: str) -> Model:
+    """`values` validated into `model`, or ConfigError naming every bad field (prefixed with `source`)."""
+    try:
+        return model.model_validate(values)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source)) from None
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Reads a YAML mapping, with errors naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config: {p} does not exist or is not a file; expected a YAML config file")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--config: {p} is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: {p} holds a {type(data).__name__}; expected a mapping of option: value")
+    return data

@@ -1,0 +1,96 @@
+"""How the train stage launches the engine and reads its end: the `accelerate launch` command, and the engine's exit
+code mapped to an error that says what happened (config error: not retried; crash: a retry resumes).
+
+Exit codes: 0 ok, 2 config error, 3 injected crash (RLOO_ENGINE_CRASH_AT_STEP), anything else a failure;
+accelerate's launcher exits 1 and names its child's code in its last lines.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+from rloo_engine.config_base import ConfigError
+from rloo_engine.fault_injection import CRASH_ENV, CRASH_EXIT_CODE
+from rloo_engine.pipeline import tracking
+from rloo_engine.pipeline.config import LaunchSection
+from rloo_engine.pipeline.profiles import resolve_profile
+from rloo_engine.pipeline.tracking import RunRef
+
+EXIT_OK, EXIT_CONFIG, EXIT_INJECTED_CRASH = 0, 2, CRASH_EXIT_CODE
+
+
+class EngineConfigError(ConfigError):
+    """The engine rejected its configuration (exit code 2); retrying cannot help."""
+
+
+class EngineCrashed(RuntimeError):
+    """The engine process died (injected crash, OOM kill, NCCL error, a bug); a retry resumes from a checkpoint."""
+
+
+def launch_command(launch: LaunchSection, config_path: Path) -> list[str]:
+    """`accelerate launch --config_file <profile> [overrides] -m rloo_engine train --config <file>`."""
+    profile = resolve_profile(launch.profile, dict(os.environ))
+    cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(profile)]
+    if launch.num_processes is not None:
+        cmd += ["--num_processes", str(launch.num_processes)]
+    if launch.num_machines > 1:
+        cmd += ["--num_machines", str(launch.num_machines), "--machine_rank", str(launch.machine_rank)]
+        if launch.main_process_ip:
+            cmd += ["--main_process_ip", launch.main_process_ip]
+    if launch.main_process_port:
+        cmd += ["--main_process_port", str(launch.main_process_port)]
+    return cmd + ["-m", "rloo_engine", "train", "--config", str(config_path)]
+
+
+# How accelerate reports its child's end: CalledProcessError says "returned non-zero exit status 3" or, for a
+# signal, "died with <Signals.SIGKILL: 9>"; torchrun's error summary says "exitcode  : -9".
+_LAUNCHER_CHILD_EXIT = re.compile(
+    r"returned non-zero exit status (-?\d+)|exitcode\s*:\s*(-?\d+)|died with <Signals\.\w+: (\d+)>"
+)
+
+
+def engine_exit_code(returncode: int, tail: list[str]) -> int:
+    """The engine's own exit code (negative: killed by that signal); accelerate's launcher exits 1 and reports it."""
+    if returncode in (EXIT_OK, EXIT_CONFIG, EXIT_INJECTED_CRASH) or returncode < 0:
+        return returncode
+    for line in reversed(tail):
+        if m := _LAUNCHER_CHILD_EXIT.search(line):
+            return -int(m.group(3)) if m.group(3) else int(m.group(1) or m.group(2))
+    return returncode
+
+
+def exit_cause(code: int) -> str:
+    """`exit code N`, or `killed by SIGNAME` for a negative code, with the usual reason for a SIGKILL."""
+    if code >= 0:
+        return f"exit code {code}"
+    import signal
+
+    name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+    return f"killed by {name}" + (" (often the OOM killer)" if name == "SIGKILL" else "")
+
+
+def record_exit(train_run: RunRef, returncode: int, tail: list[str]) -> None:
+    """Tags the train run with how the engine ended (`rloo.exit_code`, `rloo.exit_cause`), so a kill shows as one."""
+    code = engine_exit_code(returncode, tail)
+    tracking.set_tags(train_run, {"rloo.exit_code": code, "rloo.exit_cause": exit_cause(code)})
+
+
+def raise_for_exit(returncode: int, tail: list[str], log_path: Path) -> None:
+    """Maps the engine's exit code to an error that says what happened and where to look."""
+    code = engine_exit_code(returncode, tail)
+    if code == EXIT_OK:
+        return
+    last = "\n".join(tail[-15:])
+    if code == EXIT_CONFIG:
+        errors = [ln for ln in tail if ln.startswith("error:")] or tail[-3:]
+        raise EngineConfigError("the engine rejected its configuration (exit code 2):\n" + "\n".join(errors))
+    if code == EXIT_INJECTED_CRASH:
+        raise EngineCrashed(
+            f"the engine exited with code {EXIT_INJECTED_CRASH}: an injected crash ({CRASH_ENV}); see {log_path}"
+        )
+    if code < 0:
+        raise EngineCrashed(f"the engine was {exit_cause(code)}; see {log_path}. Last output:\n{last}")
+    raise EngineCrashed(f"the engine failed with exit code {code}; see {log_path}. Last output:\n{last}")

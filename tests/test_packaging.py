@@ -1,0 +1,45 @@
+"""A wheel carries what an installed pipeline needs without the repository: the accelerate profiles, the judge
+templates, the `py.typed` marker and the license, and no test file."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        check=True, capture_output=True, text=True, timeout=300,
+    )
+    (path,) = out.glob("rloo_pipeline-*.whl")
+    return path
+
+
+def test_the_wheel_carries_the_profiles_and_templates(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    profiles = {Path(n).name for n in names if n.startswith("rloo_engine/pipeline/accelerate_profiles/")}
+    assert profiles == {f.name for f in (ROOT / "deployments" / "accelerate").glob("*.yaml")}
+    assert {"rloo_engine/evaluation/templates/tldr_v1.yaml", "rloo_engine/py.typed"} <= names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    assert not any(n.startswith("tests/") for n in names)
+
+
+def test_an_installed_copy_finds_its_profiles_without_the_repository(wheel, tmp_path):
+    # The package alone, unpacked elsewhere as pip would install it, with no checkout on the path.
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(tmp_path, [n for n in z.namelist() if n.startswith("rloo_engine/")])
+    code = "import rloo_engine.pipeline.profiles as p; print(p.resolve_profile('deepspeed_zero3', {}))"
+    proc = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(tmp_path)!r}); {code}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    expected = tmp_path / "rloo_engine" / "pipeline" / "accelerate_profiles" / "deepspeed_zero3.yaml"
+    assert proc.stdout.strip() == str(expected)
+    assert not expected.is_symlink()
