@@ -1,47 +1,149 @@
 #!/usr/bin/env bash
-# The one GPU check (under 8 minutes on one H200, nothing from the network): the single_gpu profile in
-# bf16 on a random-init ~0.5B Qwen2-shaped policy, the same under ZeRO-3 with one process, then
-# bench/engine_throughput.py on CUDA. Prints tokens/s, peak GPU memory and any error for each part.
-# Run it through the device tool from the repo root; packages the machine lacks (deepspeed, pydantic,
-# datasets, ...) travel as wheels in .whl/ (see bench/README.md).
+# The one GPU check, built to work the first time on a lent machine with no network (bench/README.md, "GPU check"):
+#   1. install the wheels the image lacks from .whl/ (bench/gpu_wheels.sh builds them), and stop if that fails;
+#   2. an import check: CUDA visible, package versions, deepspeed and rloo_engine.trainer import;
+#   3. a random-init ~0.5B Qwen2-shaped policy (151,936-row vocabulary) trained 6 RLOO steps in bf16 with the
+#      single_gpu profile, then the same under ZeRO-3 with one process;
+#   4. bench/engine_throughput.py on CUDA.
+# Every part runs under `timeout -k`, the whole under 480 s, so a rerun fits in a 15-minute lease. Models and run
+# directories go under $WORK (default /tmp/gpu_check); only logs, each run's metrics.jsonl and the throughput JSON
+# go to $OUT (8 small files at most), and the last line printed is one JSON summary.
+#
+#   bash bench/gpu_check.sh          # on the GPU machine, through the device tool (command in bench/README.md)
+#   bash bench/gpu_check.sh --cpu    # the same script end to end on CPU with a tiny model (CI runs it)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-/tmp/gpu_check}"
-mkdir -p "$out"
+mode=gpu
+[ "${1:-}" = "--cpu" ] && mode=cpu
+out="${OUT:-/tmp/gpu_check_out}"
+work="${WORK:-/tmp/gpu_check}"
 py="${PYTHON:-python3}"
-if [ -d .whl ]; then
-  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
-fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-"$py" -c 'import torch, transformers, accelerate; print("torch", torch.__version__, "transformers", transformers.__version__, "accelerate", accelerate.__version__)'
-"$py" bench/gpu_model.py "$out/assets" || { echo "gpu_check: FAILED building the model"; exit 1; }
+[ "$mode" = cpu ] && py="${PYTHON:-${RLOO_VENV:-.venv}/bin/python}"
+budget=480
+rm -rf "$work"
+mkdir -p "$out" "$work"
+start=$SECONDS
+declare -A status
 
-train() {  # name, profile, extra flags
-  local name=$1 profile=$2; shift 2
-  local start=$SECONDS
-  timeout 240 "$py" -m accelerate.commands.launch --config_file "deployments/accelerate/$profile.yaml" --num_processes 1 \
-    -m rloo_engine train --model_name_or_path "$out/assets/policy" --dataset_name "$out/assets/prompts.jsonl" \
-    --reward_funcs rloo_engine.reward_functions:brevity --output_dir "$out/$name" --bf16 \
-    --num_generations 4 --per_device_train_batch_size 32 --max_completion_length 128 --beta 0.05 \
-    --learning_rate 1e-6 --max_steps 6 --logging_steps 1 --gradient_checkpointing --disable_tqdm "$@" \
-    > "$out/$name.log" 2>&1
-  local rc=$?
-  echo "== $name ($profile): exit $rc after $((SECONDS - start)) s"
-  [ $rc -eq 0 ] || { grep -E "Error|error:" "$out/$name.log" | tail -5; return; }
-  "$py" - "$out/$name/metrics.jsonl" <<'PY'
+left() { echo $((budget - (SECONDS - start))); }
+summary() {  # the final JSON line, from every part's status and the run files
+  "$py" - "$mode" "$out" "$((SECONDS - start))" "$@" <<'PY'
 import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])][1:]  # step 1 includes CUDA warm-up
-tok = sum(r["num_tokens"] for r in rows) / sum(r["step_time"] for r in rows)
-print(f"   tokens/s (steps 2-6) {tok:,.0f}; s/step {sum(r['step_time'] for r in rows) / len(rows):.2f}; "
-      f"reward {rows[-1]['reward']:.3f}; kl {rows[-1]['kl']:.4f}; "
-      f"peak GPU memory {max(r.get('memory/max_allocated_gib', float('nan')) for r in rows):.1f} GiB")
+from pathlib import Path
+mode, out, elapsed, *parts = sys.argv[1:]
+result = {"gpu_check": "ok", "mode": mode, "elapsed_s": int(elapsed), "parts": {}}
+for item in parts:
+    name, _, rc = item.partition("=")
+    part = {"exit": int(rc)}
+    metrics = Path(out) / f"{name}.metrics.jsonl"
+    if metrics.is_file():
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()][1:]  # step 1: warm-up
+        if rows:
+            seconds = sum(r["step_time"] for r in rows)
+            part.update(steps=len(rows) + 1, tokens_per_s=round(sum(r["num_tokens"] for r in rows) / seconds, 1),
+                        s_per_step=round(seconds / len(rows), 3), reward=rows[-1].get("reward"), kl=rows[-1].get("kl"))
+            peak = [r["memory/max_allocated_gib"] for r in rows if "memory/max_allocated_gib" in r]
+            if peak:
+                part["peak_gpu_gib"] = max(peak)
+    throughput = Path(out) / f"{name}.json"
+    if throughput.is_file():
+        data = json.loads(throughput.read_text())
+        s = data["summary"]
+        part.update(s_per_step=round(s["step_time_s"], 3), tokens_per_s=round(s["tokens_per_s_end_to_end"], 1))
+        if isinstance(data.get("peak_flop_per_s"), (int, float)) and data["peak_flop_per_s"]:
+            part["fraction_of_matmul_peak"] = round(s["achieved_flop_per_s"] / data["peak_flop_per_s"], 3)
+    result["parts"][name] = part
+    if int(rc) != 0:
+        result["gpu_check"] = "failed"
+print(json.dumps(result, sort_keys=True))
 PY
 }
-train single_gpu_bf16 single_gpu
-train zero3_one_process deepspeed_zero3
-echo "== bench/engine_throughput.py --device cuda"
-timeout 180 "$py" bench/engine_throughput.py --device cuda --dtype bfloat16 --hidden 896 --layers 24 --vocab 2000 \
-  --batch 64 --steps 4 --output "$out/throughput.json" 2>&1 | tail -25
-echo "gpu_check: done"
+finish() {
+  local args=()
+  for name in "${!status[@]}"; do args+=("$name=${status[$name]}"); done
+  summary "${args[@]}"
+  for name in "${!status[@]}"; do [ "${status[$name]}" = 0 ] || exit 1; done
+  exit 0
+}
+
+# ---------------------------------------------------------------- 1. packages
+if [ "$mode" = gpu ]; then
+  if [ -d .whl ]; then
+    if ! "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$work/site" .whl/*.whl \
+        > "$out/imports.log" 2>&1; then
+      echo "gpu_check: installing .whl/ failed (see imports.log); nothing else ran"
+      tail -5 "$out/imports.log"
+      status[install]=1
+      finish
+    fi
+    export PYTHONPATH="$work/site:${PYTHONPATH:-}"
+  fi
+  export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+fi
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
+
+# ---------------------------------------------------------------- 2. imports
+timeout -k 5 60 "$py" - "$mode" >> "$out/imports.log" 2>&1 <<'PY'
+import sys
+import torch
+if sys.argv[1] == "gpu":
+    assert torch.cuda.is_available(), "CUDA is not visible to torch"
+    print("cuda", torch.version.cuda, torch.cuda.get_device_name(0))
+versions = {"python": sys.version.split()[0], "torch": torch.__version__}
+for name in ("transformers", "accelerate", "pydantic", "datasets", "pyarrow", "deepspeed"):
+    versions[name] = __import__(name).__version__
+import rloo_engine.trainer  # noqa: F401  (the whole engine imports: config, models, generation, distributed)
+print(" ".join(f"{k} {v}" for k, v in versions.items()))
+PY
+status[imports]=$?
+echo "== imports: exit ${status[imports]}"; tail -3 "$out/imports.log"
+[ "${status[imports]}" = 0 ] || finish
+
+# ---------------------------------------------------------------- 3. training
+if [ "$mode" = gpu ]; then
+  model_args=(--size 0.5b); train_args=(--bf16 --per_device_train_batch_size 32 --max_completion_length 128
+                                        --gradient_checkpointing)
+  single=single_gpu; export DS_ACCELERATOR=cuda
+else
+  model_args=(--size tiny); train_args=(--per_device_train_batch_size 8 --max_completion_length 8)
+  single=cpu; export DS_ACCELERATOR=cpu
+fi
+timeout -k 5 120 "$py" bench/gpu_model.py "$work/assets" "${model_args[@]}" > "$out/model.log" 2>&1
+status[model]=$?
+echo "== model: exit ${status[model]}"; tail -1 "$out/model.log"
+[ "${status[model]}" = 0 ] || finish
+
+train() {  # name, profile, seconds
+  local name=$1 profile=$2 seconds=$3 t0=$SECONDS
+  [ "$(left)" -gt 30 ] || { echo "== $name: skipped, $(left) s of the budget left"; status[$name]=124; return; }
+  [ "$seconds" -lt "$(left)" ] || seconds=$(left)
+  timeout -k 10 "$seconds" "$py" -m accelerate.commands.launch --config_file "deployments/accelerate/$profile.yaml" \
+    --num_processes 1 -m rloo_engine train --model_name_or_path "$work/assets/policy" \
+    --dataset_name "$work/assets/prompts.jsonl" --reward_funcs rloo_engine.reward_functions:brevity \
+    --output_dir "$work/$name" --num_generations 4 --beta 0.05 --learning_rate 1e-6 --max_steps 6 \
+    --logging_steps 1 --save_steps 0 --disable_tqdm "${train_args[@]}" > "$out/$name.log" 2>&1
+  status[$name]=$?
+  cp "$work/$name/metrics.jsonl" "$out/$name.metrics.jsonl" 2>/dev/null
+  echo "== $name ($profile): exit ${status[$name]} after $((SECONDS - t0)) s"
+  [ "${status[$name]}" = 0 ] || grep -E "Error|error:" "$out/$name.log" | tail -5
+}
+train train_single "$single" 180
+train train_zero3 deepspeed_zero3 180
+
+# ---------------------------------------------------------------- 4. throughput
+if [ "$(left)" -gt 30 ]; then
+  if [ "$mode" = gpu ]; then
+    bench=(--device cuda --dtype bfloat16 --hidden 896 --layers 24 --vocab 2000 --batch 64 --steps 4)
+  else
+    bench=(--hidden 64 --layers 2 --vocab 512 --batch 8 --max-completion-length 8 --prompt-length 16 --steps 2
+           --warmup-steps 1)
+  fi
+  seconds=150; [ "$seconds" -lt "$(left)" ] || seconds=$(left)
+  timeout -k 10 "$seconds" "$py" bench/engine_throughput.py "${bench[@]}" --output "$out/throughput.json" \
+    > "$out/throughput.log" 2>&1
+  status[throughput]=$?
+else
+  status[throughput]=124
+fi
+echo "== throughput: exit ${status[throughput]}"; tail -4 "$out/throughput.log" 2>/dev/null
+finish

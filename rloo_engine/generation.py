@@ -7,6 +7,7 @@ The trainer only sees `GenerationBackend.generate(prompts, num_generations) -> R
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -193,15 +194,23 @@ class HFGenerationBackend:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=model.config)
+        cache_arg = {cache_keyword(model): cache}
         prefix_mask = prompt_mask[:, :-1]
         position_ids = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
         # Only the cache is wanted; logits_to_keep=1 avoids a (P, prompt_len, vocab) logits tensor.
         model(input_ids=prompt_ids[:, :-1], attention_mask=prefix_mask, position_ids=position_ids,
-              cache=cache, use_cache=True, logits_to_keep=1)
+              use_cache=True, logits_to_keep=1, **cache_arg)
         cache.batch_repeat_interleave(g)
         return model.generate(
             input_ids=prompt_ids.repeat_interleave(g, 0),
             attention_mask=prompt_mask.repeat_interleave(g, 0),
-            cache=cache,
+            **cache_arg,
             **self._generation_kwargs(1, recorder),
         )
+
+
+def cache_keyword(model: Any) -> str:
+    """The name the model's forward (and `generate`) gives the KV cache: `cache` from transformers 5.24,
+    `past_key_values` before. Read from the base model: a PEFT wrapper's forward takes only **kwargs."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"

@@ -21,7 +21,7 @@ if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
   if [ -n "${TORCH_INDEX_URL:-}" ]; then index=(--index-url "$TORCH_INDEX_URL"); fi
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
     echo "setup: CUDA found, installing the default torch build"
-    quiet "${pip[@]}" install "${index[@]}" "torch>=2.4"
+    quiet "${pip[@]}" install "${index[@]}" "torch>=2.13"
   else
     # A bare `torch` requirement would pull a multi-GB CUDA build; pin the CPU wheel first.
     echo "setup: no CUDA, installing the CPU torch build (torch==2.13.0)"
@@ -48,7 +48,7 @@ else
     # Before the project, so its `deepspeed` extra is already met: DeepSpeed's build imports the installed
     # torch, so it cannot use pip's isolated build environment. The tests run ZeRO-2/3 for real on CPU.
     echo "setup: installing deepspeed (--no-build-isolation)"
-    quiet "${pip[@]}" install --no-build-isolation "deepspeed>=0.16"
+    quiet "${pip[@]}" install --no-build-isolation "deepspeed>=0.19"
   fi
   PYTHONWARNINGS=ignore quiet "${pip[@]}" install -e ".[$extras]"  # setuptools notes every editable build
   echo "$want" > "$stamp"

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 from rloo_engine.config import RLOOConfig, build_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def repo_pythonpath() -> str:
+    """PYTHONPATH for a child process: this checkout first, then whatever the test process had (the overlay of
+    scripts/test_engine_on_transformers.sh), so children run the same transformers as the test."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 # Token ids 10..41 of the 320-token test tokenizer: about 10% of a random policy's samples.
 TARGET_IDS = set(range(10, 42))

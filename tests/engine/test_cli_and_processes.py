@@ -13,13 +13,14 @@ import yaml
 
 from rloo_engine.cli import parse_train_args
 from rloo_engine.config_base import ConfigError
-from tests.engine.helpers import prompt_file, read_metrics
+from rloo_engine.fault_injection import CRASH_ENV, CRASH_EXIT_CODE
+from tests.engine.helpers import prompt_file, read_metrics, repo_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
     env.pop("MLFLOW_RUN_ID", None)
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, **kw)
@@ -132,4 +133,23 @@ def test_accelerate_launch_module_entry_point(tmp_path, qwen2_model):
                 "--num_generations", "2", "--per_device_train_batch_size", "4", "--max_completion_length", "4",
                 "--max_steps", "1", "--disable_tqdm"])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "final").is_dir()
+
+
+@pytest.mark.slow
+def test_rloo_engine_train_trains_then_resumes_from_the_command_line(tmp_path, qwen2_model):
+    """The command a user runs, as a process: it dies after step 2 (checkpoint-2 written), then resumes to step 3."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "rloo_engine", "train", "--model_name_or_path", str(qwen2_model),
+           "--dataset_name", str(prompt_file(tmp_path)), "--reward_funcs", "rloo_engine.reward_functions:brevity",
+           "--output_dir", str(out), "--num_generations", "2", "--per_device_train_batch_size", "4",
+           "--max_completion_length", "4", "--beta", "0.05", "--logging_steps", "1", "--save_steps", "1",
+           "--max_steps", "3", "--disable_tqdm"]
+    first = subprocess.run(cmd, env={**os.environ, CRASH_ENV: "2"}, capture_output=True, text=True, timeout=300)
+    assert first.returncode == CRASH_EXIT_CODE, first.stderr[-3000:]
+    assert (out / "checkpoint-2").is_dir() and not (out / "final").exists()
+    second = run(cmd + ["--resume_from_checkpoint", "latest"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoint-2'} at step 2" in second.stderr
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
     assert (out / "final").is_dir()

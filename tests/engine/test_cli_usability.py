@@ -15,7 +15,7 @@ from rloo_engine import cli
 from rloo_engine.config import build_config
 from rloo_engine.config_base import ConfigError
 from rloo_engine.evaluation.cli import parser as evaluate_parser
-from tests.engine.helpers import prompt_file
+from tests.engine.helpers import prompt_file, repo_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = ["--model_name_or_path", "org/name", "--dataset_name", "d.jsonl", "--reward_funcs", "a:b"]
@@ -101,7 +101,7 @@ def test_a_missing_model_path_fails_before_any_model_code_is_imported(tmp_path):
         "print('loaded:', loaded)\n"
         "sys.exit(code)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - started

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from rloo_engine.config_base import ConfigError
 from rloo_engine.testing.tiny_chat_models import build_chat_model
@@ -37,13 +38,25 @@ def llama3_with_rm(tmp_path_factory):
     return policy, rm
 
 
+class PreferToken(LogitsProcessor):
+    """Adds a large bias to one token id: the policy says it first. (`sequence_bias` does the same, but
+    transformers 5.17-5.23 reject token id 0 there, and a chat model's EOS may be id 0.)"""
+
+    def __init__(self, token_id: int):
+        self.token_id = token_id
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores[:, self.token_id] += 100.0
+        return scores
+
+
 def test_completions_stop_at_every_eos_id_of_the_generation_config(tmp_path, chat_model):
     style, path = chat_model
     trainer = RLOOTrainer(tiny_config(tmp_path, path, mask_truncated_completions=True, max_completion_length=5))
     eos_ids = trainer.model_eos_ids
     assert len(eos_ids) == (2 if style == "qwen" else 3)
     for eos in eos_ids:
-        trainer.backend.params.extra = {"sequence_bias": [[[eos], 100.0]]}  # the policy now says this id first
+        trainer.backend.params.extra = {"logits_processor": LogitsProcessorList([PreferToken(eos)])}
         batch = trainer.generation_step()
         assert batch.input_ids[:, batch.prompt_length].eq(eos).all(), eos
         assert batch.completion_mask.sum(-1).eq(1).all(), f"{style}: generation ran past EOS id {eos}"

@@ -24,12 +24,12 @@ from rloo_engine.fault_injection import CRASH_ENV
 from rloo_engine.reward_sources import RewardError
 from rloo_engine.run_lock import OutputDirLocked, acquire_run_lock
 from rloo_engine.trainer import RLOOTrainer
-from tests.engine.helpers import read_metrics, tiny_config
+from tests.engine.helpers import read_metrics, repo_pythonpath, tiny_config
 from tests.engine.test_cli_and_processes import REPO, run
 
 
 def engine_env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
            "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"}
     env.pop("MLFLOW_TRACKING_URI", None)
     env.pop("MLFLOW_RUN_ID", None)

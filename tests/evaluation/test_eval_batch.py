@@ -19,6 +19,7 @@ import yaml
 from rloo_engine.evaluation import BudgetExceededError, ConfigError, EvalConfig, run_evaluation
 from rloo_engine.evaluation.config import build_eval_config
 from rloo_engine.evaluation.result_checks import UntrustworthyResultError
+from tests.engine.helpers import repo_pythonpath
 from tests.evaluation.eval_helpers import API_KEY, API_KEY_ENV, config_values, make_eval_files
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,7 +86,7 @@ def test_a_run_killed_while_polling_resumes_the_same_batch_without_a_second_subm
     values = config_values(files, server.base_url, tmp_path / "out", judge=BATCH)
     config_path = tmp_path / "eval.yaml"
     config_path.write_text(yaml.safe_dump(values))
-    env = {**os.environ, API_KEY_ENV: API_KEY, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, API_KEY_ENV: API_KEY, "PYTHONPATH": repo_pythonpath()}
     proc = subprocess.Popen(
         [sys.executable, "-m", "rloo_engine.evaluation.cli", "--config", str(config_path)],
         env=env,

@@ -16,6 +16,7 @@ import yaml
 
 from rloo_engine.evaluation import BudgetExceededError, EvalConfig, JudgeEndpointError, run_evaluation
 from rloo_engine.evaluation.cli import main as evaluate_main
+from tests.engine.helpers import repo_pythonpath
 from tests.evaluation.eval_helpers import API_KEY, API_KEY_ENV, config_values, make_eval_files
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,7 +42,7 @@ def test_rerun_after_a_killed_run_repeats_no_finished_judgment(fake_server, tmp_
     config_path.write_text(yaml.safe_dump(values))
     cache_path = tmp_path / "out" / "judge_cache.sqlite"
 
-    env = {**os.environ, API_KEY_ENV: API_KEY, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, API_KEY_ENV: API_KEY, "PYTHONPATH": repo_pythonpath()}
     proc = subprocess.Popen(
         [sys.executable, "-m", "rloo_engine.evaluation.cli", "--config", str(config_path)],
         env=env,

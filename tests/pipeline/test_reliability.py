@@ -14,6 +14,7 @@ import pytest
 
 from rloo_engine.pipeline.launcher import group_alive, run_in_process_group
 from rloo_engine.pipeline.train_launch import EngineCrashed, engine_exit_code, raise_for_exit, record_exit
+from tests.engine.helpers import repo_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,7 +49,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def test_sigkill_of_the_flow_run_process_kills_the_engine_group(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
     flow_run = subprocess.Popen([sys.executable, "-c", FLOW_RUN, str(tmp_path / "train.log")], env=env, cwd=REPO,
                                 stdout=subprocess.PIPE, text=True)
     try:
