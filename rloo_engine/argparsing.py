@@ -15,6 +15,8 @@ import sys
 from typing import NoReturn
 
 _UNRECOGNIZED = re.compile(r"^unrecognized arguments: (?P<args>.*)$")
+# argparse %-formats every help string; a `%` that starts no `%(name)s` or `%%` is prose ("~30% slower").
+_PERCENT = re.compile(r"%%|%\(|%")
 _NUMBER = re.compile(r"^-\.?\d")  # a negative value, not a flag
 
 
@@ -22,6 +24,11 @@ class StrictArgumentParser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs) -> None:
         kwargs["allow_abbrev"] = False
         super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        if isinstance(kwargs.get("help"), str):
+            kwargs["help"] = _PERCENT.sub(lambda m: "%%" if m.group() == "%" else m.group(), kwargs["help"])
+        return super().add_argument(*args, **kwargs)
 
     def known_flags(self) -> list[str]:
         """Long flags shown in --help (hidden compatibility flags are accepted but never suggested)."""

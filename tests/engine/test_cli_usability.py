@@ -110,3 +110,31 @@ def test_a_missing_model_path_fails_before_any_model_code_is_imported(tmp_path):
     assert "Repo id must be" not in proc.stderr and "Traceback" not in proc.stderr
     assert "loaded: []" in proc.stdout
     assert elapsed < 30, f"took {elapsed:.1f} s"  # interpreter start-up only (it took 9.8 s via the hub client)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["-m", "rloo_engine", "--help"],
+        ["-m", "rloo_engine", "train", "--help"],
+        ["-m", "rloo_engine", "evaluate", "--help"],
+        ["-m", "rloo_engine", "tiny-assets", "--help"],
+        ["-m", "flows.rlhf_pipeline", "--help"],
+        ["-m", "flows.evaluate_policy", "--help"],
+        ["-m", "flows.demo", "--help"],
+    ],
+)
+def test_every_command_prints_its_help_and_exits_0(command):
+    proc = subprocess.run([sys.executable, *command], cwd=REPO, env={**os.environ, "PYTHONPATH": repo_pythonpath()},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "usage:" in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_a_help_string_with_a_percent_sign_is_prose_not_a_format():
+    from rloo_engine.argparsing import StrictArgumentParser
+
+    p = StrictArgumentParser(prog="x")
+    p.add_argument("--slow", help="~30% slower (20%), default %(default)s, literal %%", default=3)
+    text = p.format_help()
+    assert "~30% slower (20%), default 3, literal %" in " ".join(text.split())
