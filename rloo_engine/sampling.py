@@ -29,7 +29,8 @@ def sample_categorical(probs: torch.Tensor, block: int = _BLOCK) -> torch.Tensor
     Level 1 picks a block of `block` tokens by its mass (block sums in float32, about 1e-7 relative
     error; their cumulative sum and the draw in float64); level 2 picks the token inside it. Neither
     level copies the (B, V) matrix. Never returns a zero-probability index: each level takes the
-    first entry whose cumulative mass exceeds a uniform draw kept strictly below the total.
+    first entry whose cumulative mass exceeds a uniform draw kept strictly below the total. A row with
+    NaN or inf, or no mass at all, raises ValueError naming the rows, as `torch.multinomial` refuses it.
     """
     probs = probs.contiguous()
     B, V = probs.shape
@@ -40,6 +41,14 @@ def sample_categorical(probs: torch.Tensor, block: int = _BLOCK) -> torch.Tensor
     block_mass = torch.cat(mass, -1).double()  # (B, ceil(V / block))
     cdf = block_mass.cumsum(-1)
     total = cdf[:, -1:]
+    bad = ~(torch.isfinite(total) & (total > 0)).squeeze(-1)  # B values: a NaN or inf anywhere reaches the total
+    if bad.any():
+        rows = bad.nonzero().squeeze(-1).tolist()
+        raise ValueError(
+            f"sampling: probability rows {rows[:8]}{' ...' if len(rows) > 8 else ''} of {B} contain NaN or inf or "
+            "sum to 0, so no token can be drawn (as torch.multinomial refuses them); the logits went non-finite "
+            "(a diverged update, fp16 overflow) or a logits processor masked every token"
+        )
     u = torch.minimum(torch.rand(B, 1, dtype=torch.float64, device=probs.device) * total,
                       torch.nextafter(total, torch.zeros_like(total)))
     b = torch.searchsorted(cdf, u, right=True)  # (B, 1)

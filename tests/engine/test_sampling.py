@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import scipy.stats
 import torch
 
@@ -89,3 +90,16 @@ def test_the_models_own_generation_config_adds_no_second_temperature_or_top_k(qw
     _assert_matches(_frequencies(first, probs.numel()), probs, first.numel())
     assert first.unique().numel() > 3  # the model's top_k=3 did not apply
     assert torch.allclose(rollout.sampling_logps[:, 0], probs.log()[first].float(), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "bad_row",
+    [torch.full((1000,), float("nan")), torch.zeros(1000), torch.tensor([float("inf")] + [0.1] * 999)],
+    ids=["nan", "all-zero", "inf"],
+)
+def test_a_row_with_nan_inf_or_no_mass_is_refused_by_name(bad_row):
+    probs = torch.stack([torch.full((1000,), 1e-3), bad_row, torch.full((1000,), 1e-3)])
+    with pytest.raises(ValueError, match=r"probability rows \[1\] of 3 contain NaN or inf or sum to 0"):
+        sample_categorical(probs)
+    with pytest.raises(RuntimeError):  # torch.multinomial refuses the same rows
+        torch.multinomial(probs, 1)
