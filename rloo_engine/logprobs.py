@@ -97,8 +97,11 @@ class _ChunkedLogProbs(torch.autograd.Function):
         ctx.temperature, ctx.chunk, ctx.dtype = temperature, chunk, dtype
         if entropy is None:
             return logps.view(B, T), None
+        # Marked as returned: marking the flat tensor leaves its (B, T) view requiring grad, and a loss through
+        # it would then get a silent zero gradient instead of an error.
+        entropy = entropy.view(B, T)
         ctx.mark_non_differentiable(entropy)
-        return logps.view(B, T), entropy.view(B, T)
+        return logps.view(B, T), entropy
 
     @staticmethod
     def backward(ctx, grad_logps, grad_entropy):

@@ -38,6 +38,14 @@ def test_values_entropy_and_gradients_match_the_full_logits_in_fp32(bias, temper
         assert torch.allclose(got, want, atol=1e-6)
 
 
+def test_the_entropy_carries_no_gradient_and_a_loss_through_it_fails_loudly():
+    head, h, tokens = _head()
+    logps, entropy = chunked_token_log_probs(h, head, tokens, 1.0, with_entropy=True, chunk=4)
+    assert logps.requires_grad and not entropy.requires_grad
+    with pytest.raises(RuntimeError, match="does not require grad"):  # never a silent zero gradient
+        entropy.sum().backward()
+
+
 def test_bf16_autocast_matches_the_head_run_under_autocast():
     head, h, tokens = _head()
     with torch.autocast("cpu", dtype=torch.bfloat16):
