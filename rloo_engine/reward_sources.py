@@ -111,13 +111,16 @@ class RewardModelSource:
 
     @torch.inference_mode()
     def _score_batch(self, ids: list[list[int]]) -> list[float]:
-        enc = self.tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(self.device)
-        mask = enc["attention_mask"]  # (B, T)
-        # Positions count real tokens only, so a left-padded row sees the positions it would unpadded.
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        # Padded on the right whatever the tokenizer's padding side: every real token then keeps the position it
+        # has unpadded under the model's own numbering (0.. for decoders, after padding_idx for RoBERTa and
+        # XLM-R), so no position ids are passed and each family numbers its own.
+        width = max(map(len, ids))
+        input_ids = torch.tensor([row + [self.tokenizer.pad_token_id] * (width - len(row)) for row in ids])
+        mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in ids])  # (B, T)
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         per_token = _PerTokenLogits(self.model)
         with per_token:
-            out = self.model(input_ids=enc["input_ids"], attention_mask=mask, position_ids=position_ids)
+            out = self.model(input_ids=input_ids, attention_mask=mask)
         if per_token.logits is None:  # a head that pools itself (e.g. [CLS]): trust its pooled logits
             return out.logits[:, 0].float().cpu().tolist()
         last_real = (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(-1)  # (B,)

@@ -17,6 +17,7 @@ from transformers import (
     LlamaConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    RobertaConfig,
 )
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
@@ -100,7 +101,13 @@ def lm_config(arch: str, vocab_size: int, pad_id: int, eos_id: int, hidden: int,
         return Qwen2Config(**common)
     if arch == "llama":
         return LlamaConfig(**common)
-    raise ValueError(f"arch: {arch!r}; expected 'qwen2' or 'llama'")
+    if arch == "roberta":
+        # An encoder reward model: positions start after padding_idx (= pad id), as RoBERTa/XLM-R number them.
+        for key in ("num_key_value_heads", "tie_word_embeddings"):
+            common.pop(key)
+        common["max_position_embeddings"] = 512 + pad_id + 2
+        return RobertaConfig(**common, type_vocab_size=1)
+    raise ValueError(f"arch: {arch!r}; expected 'qwen2', 'llama' or 'roberta'")
 
 
 def build_causal_lm(

@@ -292,6 +292,22 @@ def test_batched_scores_equal_one_at_a_time(reward_model, padding_side):
     assert len(set(batched)) == len(TEXTS)  # a real signal, not one pooled position for all rows
 
 
+@pytest.mark.parametrize("arch", ["roberta", "llama", "qwen2"])
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+def test_engine_score_equals_the_reward_models_own_forward(tmp_path, policy_tokenizer, arch, padding_side):
+    # RoBERTa-family models number positions after padding_idx; 0-based position ids shift every score.
+    path = tiny_models.build_reward_model(tmp_path / arch, policy_tokenizer, arch=arch, seed=3)
+    rm = RewardModelSource(str(path), batch_size=8)
+    rm.tokenizer.padding_side = padding_side
+    prompts, completions = ["the cat sat", "a dog ran on the mat and the tree was red", "red"], [" on it", " blue", ""]
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        own = [model(**tokenizer(p + c, return_tensors="pt")).logits[0, 0].item() for p, c in zip(prompts, completions)]
+    assert rm(prompts, completions) == pytest.approx(own, abs=1e-5)
+    assert len({round(x, 6) for x in own}) == 3  # three different scores: a real comparison
+
+
 def test_score_is_read_at_last_token_even_when_pad_equals_eos(reward_model):
     rm = RewardModelSource(str(reward_model), batch_size=8)
     rm.tokenizer.pad_token = rm.tokenizer.eos_token
