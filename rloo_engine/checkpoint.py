@@ -74,6 +74,8 @@ def resolve_resume(resume_from_checkpoint: str | None, output_dir: str | Path, n
                 return path
             if report:
                 print(f"rloo-engine: skipping {path}: {problem}; trying an older checkpoint", file=sys.stderr)
+        if report:
+            print(f"rloo-engine: no usable checkpoint in {output_dir}; starting from step 0", file=sys.stderr)
         return None
     path = Path(resume_from_checkpoint)
     if not path.is_dir():

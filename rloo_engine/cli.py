@@ -16,6 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from rloo_engine import exit_codes
 from rloo_engine.argparsing import StrictArgumentParser
 from rloo_engine.config import RLOOConfig, build_config
 from rloo_engine.config_base import ConfigError, load_yaml
@@ -187,4 +188,24 @@ def main(argv: list[str] | None = None) -> int:
         return tiny_assets_main(rest)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return exit_codes.CONFIG_ERROR
+    except Exception as err:
+        code = _failure_exit_code(err)
+        if code is None:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return code
+
+
+def _failure_exit_code(err: Exception) -> int | None:
+    """The exit code of a failure whose message says what to do (so one line, no traceback), or None."""
+    import errno
+
+    from rloo_engine.checkpoint import CheckpointWriteError
+    from rloo_engine.reward_sources import RewardError
+
+    if isinstance(err, RewardError):
+        return exit_codes.REWARD_ERROR
+    if isinstance(err, CheckpointWriteError) or (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)):
+        return exit_codes.DISK_ERROR
+    return None

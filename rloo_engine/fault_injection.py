@@ -15,8 +15,10 @@ import os
 import signal
 import sys
 
+from rloo_engine import exit_codes
+
 CRASH_ENV = "RLOO_ENGINE_CRASH_AT_STEP"
-CRASH_EXIT_CODE = 3
+CRASH_EXIT_CODE = exit_codes.INJECTED_CRASH
 KILL_ENV = "RLOO_ENGINE_KILL_AT"
 STEP_POINTS = ("step", "logged")
 CHECKPOINT_POINTS = ("checkpoint-partial", "checkpoint-written")

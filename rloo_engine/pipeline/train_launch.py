@@ -1,8 +1,9 @@
 """How the train stage launches the engine and reads its end: the `accelerate launch` command, and the engine's exit
 code mapped to an error that says what happened (config error: not retried; crash: a retry resumes).
 
-Exit codes: 0 ok, 2 config error, 3 injected crash (RLOO_ENGINE_CRASH_AT_STEP), anything else a failure;
-accelerate's launcher exits 1 and names its child's code in its last lines.
+Exit codes (`rloo_engine/exit_codes.py`): 0 ok, 2 config error, 3 injected crash, 4 a reward source failed,
+5 an output could not be written (disk); anything else a failure. accelerate's launcher exits 1 and names its
+child's code in its last lines.
 """
 
 from __future__ import annotations
@@ -12,14 +13,14 @@ import re
 import sys
 from pathlib import Path
 
+from rloo_engine import exit_codes
 from rloo_engine.config_base import ConfigError
-from rloo_engine.fault_injection import CRASH_ENV, CRASH_EXIT_CODE
 from rloo_engine.pipeline import tracking
 from rloo_engine.pipeline.config import LaunchSection
 from rloo_engine.pipeline.profiles import resolve_profile
 from rloo_engine.pipeline.tracking import RunRef
 
-EXIT_OK, EXIT_CONFIG, EXIT_INJECTED_CRASH = 0, 2, CRASH_EXIT_CODE
+EXIT_OK, EXIT_CONFIG = exit_codes.OK, exit_codes.CONFIG_ERROR
 
 
 class EngineConfigError(ConfigError):
@@ -54,7 +55,7 @@ _LAUNCHER_CHILD_EXIT = re.compile(
 
 def engine_exit_code(returncode: int, tail: list[str]) -> int:
     """The engine's own exit code (negative: killed by that signal); accelerate's launcher exits 1 and reports it."""
-    if returncode in (EXIT_OK, EXIT_CONFIG, EXIT_INJECTED_CRASH) or returncode < 0:
+    if returncode in exit_codes.MEANINGS or returncode < 0:
         return returncode
     for line in reversed(tail):
         if m := _LAUNCHER_CHILD_EXIT.search(line):
@@ -63,7 +64,10 @@ def engine_exit_code(returncode: int, tail: list[str]) -> int:
 
 
 def exit_cause(code: int) -> str:
-    """`exit code N`, or `killed by SIGNAME` for a negative code, with the usual reason for a SIGKILL."""
+    """`exit code N` (with the engine's meaning of N past 3), or `killed by SIGNAME` for a negative code, with the
+    usual reason for a SIGKILL."""
+    if code > exit_codes.INJECTED_CRASH and code in exit_codes.MEANINGS:
+        return f"exit code {code}: {exit_codes.MEANINGS[code]}"
     if code >= 0:
         return f"exit code {code}"
     import signal
@@ -87,9 +91,11 @@ def raise_for_exit(returncode: int, tail: list[str], log_path: Path) -> None:
     if code == EXIT_CONFIG:
         errors = [ln for ln in tail if ln.startswith("error:")] or tail[-3:]
         raise EngineConfigError("the engine rejected its configuration (exit code 2):\n" + "\n".join(errors))
-    if code == EXIT_INJECTED_CRASH:
+    if code in exit_codes.MEANINGS:  # 3, 4, 5: the engine said what failed in its `error:` line
+        errors = [ln for ln in tail if ln.startswith("error:")][-1:]
         raise EngineCrashed(
-            f"the engine exited with code {EXIT_INJECTED_CRASH}: an injected crash ({CRASH_ENV}); see {log_path}"
+            f"the engine exited with code {code}: {exit_codes.MEANINGS[code]}; see {log_path}"
+            + (f"\n{errors[0]}" if errors else "")
         )
     if code < 0:
         raise EngineCrashed(f"the engine was {exit_cause(code)}; see {log_path}. Last output:\n{last}")

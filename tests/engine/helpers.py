@@ -26,6 +26,11 @@ def target_token_fraction(completion_ids, **_):
     return [sum(t in TARGET_IDS for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
+def failing_reward(**_):
+    """A reward function whose service is down: it raises on every call."""
+    raise ConnectionError("reward service at http://127.0.0.1:9 refused the connection")
+
+
 TOPIC_OFFSET = {w: 2.0 * i for i, w in enumerate("the cat dog sat ran on mat tree red blue".split())}
 
 

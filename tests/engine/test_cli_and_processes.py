@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rloo_engine import exit_codes
 from rloo_engine.cli import parse_train_args
 from rloo_engine.config_base import ConfigError
 from rloo_engine.fault_injection import CRASH_ENV, CRASH_EXIT_CODE
@@ -153,3 +154,51 @@ def test_rloo_engine_train_trains_then_resumes_from_the_command_line(tmp_path, q
     assert f"resumed from {out / 'checkpoint-2'} at step 2" in second.stderr
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
     assert (out / "final").is_dir()
+
+
+def _train_command(tmp_path, model, *extra):
+    return ["--model_name_or_path", str(model), "--dataset_name", str(prompt_file(tmp_path)),
+            "--output_dir", str(tmp_path / "out"), "--num_generations", "2", "--per_device_train_batch_size", "4",
+            "--max_completion_length", "4", "--logging_steps", "1", "--disable_tqdm", *extra]
+
+
+@pytest.mark.slow
+def test_a_raising_reward_function_ends_in_one_error_line_and_exit_code_4(tmp_path, qwen2_model):
+    proc = run([sys.executable, "-m", "rloo_engine", "train",
+                *_train_command(tmp_path, qwen2_model, "--reward_funcs", "tests.engine.helpers:failing_reward",
+                                "--max_steps", "2")])
+    assert proc.returncode == exit_codes.REWARD_ERROR, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "failing_reward raised ConnectionError: reward service at" in errors[0], errors
+
+
+@pytest.mark.slow
+def test_a_full_disk_ends_in_one_error_line_and_exit_code_5(tmp_path, qwen2_model):
+    # The free-space check before checkpoint-2 measures checkpoint-1; the disk then reports 1 KiB free.
+    script = (
+        "import shutil, sys\n"
+        "from collections import namedtuple\n"
+        "usage = namedtuple('usage', 'total used free')\n"
+        "shutil.disk_usage = lambda path: usage(2**40, 2**40 - 1024, 1024)\n"
+        "from rloo_engine.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    proc = run([sys.executable, "-c", script, "train",
+                *_train_command(tmp_path, qwen2_model, "--reward_funcs", "rloo_engine.reward_functions:brevity",
+                                "--max_steps", "3", "--save_steps", "1")])
+    assert proc.returncode == exit_codes.DISK_ERROR, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "checkpoint-2: " in errors[0] and "has 1024 bytes free" in errors[0], errors
+    assert (tmp_path / "out" / "checkpoint-1").is_dir()  # what was done is kept
+
+
+def test_latest_with_no_usable_checkpoint_says_it_starts_from_step_0(tmp_path, capsys):
+    from rloo_engine.checkpoint import resolve_resume
+
+    (tmp_path / "checkpoint-2").mkdir()  # no trainer_state.json: unusable
+    assert resolve_resume("latest", tmp_path) is None
+    err = capsys.readouterr().err
+    assert f"skipping {tmp_path / 'checkpoint-2'}" in err
+    assert f"rloo-engine: no usable checkpoint in {tmp_path}; starting from step 0" in err

@@ -11,7 +11,13 @@ import pytest
 
 from rloo_engine.config_base import ConfigError
 from rloo_engine.pipeline.launcher import LaunchTimeout, ThrottledLineLogger, group_alive, run_in_process_group
-from rloo_engine.pipeline.train_launch import EngineConfigError, EngineCrashed, engine_exit_code, raise_for_exit
+from rloo_engine.pipeline.train_launch import (
+    EngineConfigError,
+    EngineCrashed,
+    engine_exit_code,
+    exit_cause,
+    raise_for_exit,
+)
 
 # A parent that starts a long-lived grandchild (like accelerate starting the engine), then talks and waits.
 FAMILY = (
@@ -118,6 +124,16 @@ def test_exit_codes_map_to_clear_errors(tmp_path):
         raise_for_exit(-9, [], log)
     with pytest.raises(EngineCrashed, match="failed with exit code 1; see .*train.log"):
         raise_for_exit(1, ["RuntimeError: CUDA error"], log)
+    # A failing reward source and a full disk: told apart by their codes, the engine's error line quoted.
+    reward_tail = ["error: reward_funcs my.rewards:judge raised ConnectionError: down", "... returned non-zero exit status 4."]
+    with pytest.raises(EngineCrashed, match=r"code 4: a reward source failed during training; see .*\n"
+                                            r"error: reward_funcs my.rewards:judge raised ConnectionError"):
+        raise_for_exit(1, reward_tail, log)
+    with pytest.raises(EngineCrashed, match=r"code 5: an output could not be written \(disk full"):
+        raise_for_exit(5, ["error: checkpoint-8: out has 1024 bytes free"], log)
+    assert exit_cause(4) == "exit code 4: a reward source failed during training"
+    assert exit_cause(5).startswith("exit code 5: an output could not be written")
+    assert exit_cause(3) == "exit code 3"
 
 
 def test_output_is_throttled_but_errors_always_pass(caplog):
