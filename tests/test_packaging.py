@@ -1,6 +1,7 @@
 """A wheel carries what an installed pipeline needs without the repository: the accelerate profiles, the judge
 templates, the `py.typed` marker and the license, and no test file."""
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -14,9 +15,15 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    # Built from a copy of the tracked files: an in-tree build/ left by an earlier build would carry stale modules.
+    source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in tracked.decode().split("\0"):
+        if name and ((ROOT / name).exists() or (ROOT / name).is_symlink()):
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name, follow_symlinks=False)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(source)],
         check=True, capture_output=True, text=True, timeout=300,
     )
     (path,) = out.glob("rloo_pipeline-*.whl")
