@@ -200,6 +200,12 @@ class RLOOConfig(StrictModel):
         "named on stderr and skipped), or a checkpoint path (must be complete, else a config error, exit 2). Every file "
         "a resume reads is validated before anything loads.",
     )
+    overwrite_output_dir: bool = F(
+        False,
+        "Delete what an earlier run left in `output_dir` (its `checkpoint-N`, `final/`, `metrics.jsonl`, "
+        "`completions.jsonl`) before training. Without it a fresh run into a directory holding another run's outputs "
+        "is refused, naming them, before anything is touched. Cannot be combined with `resume_from_checkpoint`.",
+    )
     disable_tqdm: bool = F(False, "Hide the progress bar (rank 0 shows one by default).")
 
     # ---------------------------------------------------------------- reference-model sync
@@ -283,6 +289,11 @@ class RLOOConfig(StrictModel):
             # As TRL: with LoRA the reference is the adapter-free base, and with beta 0 there is none.
             why = "use_peft: true (the reference is the adapter-disabled base)" if self.use_peft else "beta: 0 (no reference)"
             raise ValueError(f"sync_ref_model: true has nothing to sync with {why}; set sync_ref_model: false")
+        if self.overwrite_output_dir and self.resume_from_checkpoint:
+            raise ValueError(
+                f"overwrite_output_dir: true with resume_from_checkpoint: {self.resume_from_checkpoint!r}; either "
+                "continue the run in output_dir or delete it, not both"
+            )
         if self.dataset_name is None:
             raise ValueError("dataset_name: not set; expected a hub id, dataset directory or data file")
         if self.lr_scheduler_type not in _SCHEDULERS:

@@ -60,6 +60,7 @@ from rloo_engine.rollout import (
     completion_token_logps,
     group_reward_std,
 )
+from rloo_engine.run_continuity import check_start, clear_previous_outputs
 from rloo_engine.run_lock import acquire_run_lock
 from rloo_engine.train_preflight import check_before_loading
 
@@ -83,6 +84,11 @@ class RLOOTrainer:
         self.resume_path = ckpt.resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir, self.acc.num_processes,
                                                self.acc.distributed_type == DistributedType.DEEPSPEED,
                                                report=self.acc.is_main_process)
+        check_start(cfg, self.resume_path, report=self.acc.is_main_process)  # never overwrite or mix another run
+        if cfg.overwrite_output_dir and self.acc.is_main_process:
+            if removed := clear_previous_outputs(Path(cfg.output_dir)):
+                print(f"rloo-engine: overwrite_output_dir: removed {', '.join(removed)} from {cfg.output_dir}",
+                      file=sys.stderr)
         self.steps_per_generation = cfg.steps_per_generation_for(self.acc.num_processes)
         self.on_policy = cfg.num_iterations == 1 and cfg.gradient_accumulation_steps % self.steps_per_generation == 0
         set_seed(cfg.seed)
@@ -379,7 +385,8 @@ class RLOOTrainer:
 
     def _trainer_state(self) -> dict:
         return {"global_step": self.global_step, "sampler": self.sampler.state_dict(), "cursor": self.cursor,
-                "total_steps": self.total_steps, "num_processes": self.acc.num_processes}
+                "total_steps": self.total_steps, "num_processes": self.acc.num_processes,
+                "config": self.cfg.model_dump(mode="json")}  # a resume checks it continues the same trajectory
 
     def _fresh_policy(self) -> torch.nn.Module:
         """A whole copy of the initial policy (LoRA-wrapped like it), loaded outside ZeRO-3's partitioning."""

@@ -42,6 +42,7 @@ PIPELINE_OWNED_ENGINE_FIELDS = {
     "output_dir": "output_root (each flow run writes under its own directory)",
     "run_name": "the flow run's name",
     "resume_from_checkpoint": "the flow run's directory (a Prefect retry resumes from its latest checkpoint)",
+    "overwrite_output_dir": "the flow run's directory (each flow run writes its own; a retry resumes it)",
 }
 
 
