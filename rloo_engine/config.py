@@ -135,8 +135,11 @@ class RLOOConfig(StrictModel):
         "sample was drawn from (no extra forward pass). `forward`: a separate no-grad forward over the "
         "whole batch. In fp32 the two agree to ~1e-6 per token. In bf16/fp16 the KV-cached decoding "
         "logits differ from a full forward by ~1e-3 per token (measured on a tiny model; more on large "
-        "ones), so step-1 KL would start above 0 and off-policy ratios away from 1. `auto` = `generation` "
-        "in fp32 with the HF backend and no repetition penalty, else `forward`.",
+        "ones), so step-1 KL would start above 0 and off-policy ratios away from 1. Generate-time logits processors "
+        "(`min_new_tokens`, `suppress_tokens`, `no_repeat_ngram_size`, ... in `generation_kwargs` or the model's "
+        "generation_config) change the logits a token was drawn from, which a forward cannot see. `auto` = "
+        "`generation` in fp32 with the HF backend, no repetition penalty and no such processor, else `forward`; "
+        "`generation` with a processor is refused.",
     )
     chunked_logprobs: bool = F(
         False,

@@ -73,6 +73,26 @@ _PROCESSOR_KWARGS = frozenset({
 })
 
 
+# Of those, the ones that change the logits (the rest only stop generation early).
+_LOGIT_PROCESSOR_KWARGS = _PROCESSOR_KWARGS - {"stop_strings", "stopping_criteria", "max_time"}
+
+
+def logit_processors_in_use(generation_config: Any, extra: dict[str, Any] | None) -> list[str]:
+    """The generate-time logits processors that would change the logits the sampled tokens came from: the ones
+    `extra` (generation_kwargs) names, and the ones the model's own generation_config switches on. Log-probs
+    recorded while decoding include them; a training forward does not."""
+    from transformers import GenerationConfig
+
+    extra = extra or {}
+    used = sorted(k for k in extra if k in _LOGIT_PROCESSOR_KWARGS and extra[k] not in (None, 0, [], {}))
+    defaults = GenerationConfig()
+    for name in sorted(_LOGIT_PROCESSOR_KWARGS - set(extra) - {"logits_processor"}):
+        value = getattr(generation_config, name, None)
+        if value is not None and value != getattr(defaults, name, None):
+            used.append(f"{name} (the model's generation_config)")
+    return used
+
+
 @dataclass
 class SamplingParams:
     max_completion_length: int

@@ -23,6 +23,7 @@ from transformers import get_scheduler
 from rloo_engine import algorithm as A
 from rloo_engine import checkpoint as ckpt
 from rloo_engine.config import RLOOConfig, save_config
+from rloo_engine.config_base import ConfigError
 from rloo_engine.data import (
     PromptSampler,
     as_assistant_messages,
@@ -41,7 +42,7 @@ from rloo_engine.distributed import (
     prepare_frozen_model,
 )
 from rloo_engine.fault_injection import crash, crash_step, maybe_kill
-from rloo_engine.generation import GenerationBackend, HFGenerationBackend, SamplingParams
+from rloo_engine.generation import GenerationBackend, HFGenerationBackend, SamplingParams, logit_processors_in_use
 from rloo_engine.metrics import MetricsLogger
 from rloo_engine.models import (
     eos_token_ids,
@@ -147,7 +148,23 @@ class RLOOTrainer:
                                        self.cfg.seed + self.acc.process_index, self.cfg.dtype)
         return HFGenerationBackend(lambda: self.acc.unwrap_model(self.policy), self.tokenizer, self._sampling_params(),
                                    gather=lambda: full_weights_for_generation(self.acc, self.policy),
-                                   record_logps=self.cfg.logprobs_from_generation)
+                                   record_logps=self._record_decoding_logprobs())
+
+    def _record_decoding_logprobs(self) -> bool:
+        """Whether the sampling policy's log-probs come from decoding (`sampling_logprobs`). Processors such as
+        min_new_tokens or suppress_tokens change the logits the tokens were drawn from, and the training forward
+        cannot see them: `auto` then uses a forward pass, and an explicit `generation` is refused."""
+        c = self.cfg
+        if not c.logprobs_from_generation:
+            return False
+        used = logit_processors_in_use(self.acc.unwrap_model(self.policy).generation_config, c.generation_kwargs)
+        if used and c.sampling_logprobs == "generation":
+            raise ConfigError(
+                f"sampling_logprobs: 'generation' with logits processors {', '.join(used)}: decoding log-probs would "
+                "include them and the training forward does not, so KL and the first ratio would be wrong; use "
+                "'auto' or 'forward'"
+            )
+        return not used
 
     def _total_steps(self) -> int:
         if self.cfg.max_steps > 0:
@@ -204,11 +221,13 @@ class RLOOTrainer:
                 try:
                     old_logps = rollout.sampling_logps  # recorded while decoding (sampling_logprobs)
                     if old_logps is None:
-                        old_logps = batched_token_logps(self.policy, input_ids, attention_mask, P, c.temperature,
-                                                        c.per_device_train_batch_size, c.chunked_logprobs)
+                        with self.acc.autocast():  # as the reference below and the training forward
+                            old_logps = batched_token_logps(self.policy, input_ids, attention_mask, P, c.temperature,
+                                                            c.per_device_train_batch_size, c.chunked_logprobs)
                     if c.beta > 0:
-                        # The prepared policy runs under accelerate's autocast; the reference must too, or
-                        # bf16 rounding alone makes KL non-zero while the two models are identical.
+                        # accelerate's autocast wraps only the prepared model's forward; every log-prob pass runs
+                        # inside it explicitly, so the chunked head (which runs after the forward) and the
+                        # reference use the policy's precision, and identical models give a KL of exactly 0.
                         with self.acc.autocast(), reference_context(self.acc.unwrap_model(self.policy), self.ref):
                             ref_logps = batched_token_logps(self.ref or self.policy, input_ids, attention_mask, P,
                                                             c.temperature, c.per_device_train_batch_size,
@@ -260,9 +279,10 @@ class RLOOTrainer:
     def loss(self, mb: dict) -> torch.Tensor:
         """Clipped sequence-ratio loss; on-policy the old log-probs are this forward's, detached (ratio == 1)."""
         c = self.cfg
-        token_logps, entropy = completion_token_logps(self.policy, mb["input_ids"], mb["attention_mask"],
-                                                      mb["prompt_length"], c.temperature, with_entropy=True,
-                                                      chunked=c.chunked_logprobs)
+        with self.acc.autocast():  # the chunked head too, not only the prepared forward (see the reference pass)
+            token_logps, entropy = completion_token_logps(self.policy, mb["input_ids"], mb["attention_mask"],
+                                                          mb["prompt_length"], c.temperature, with_entropy=True,
+                                                          chunked=c.chunked_logprobs)
         mask = mb["completion_mask"]
         old = mb["old_token_logps"] if mb["old_token_logps"] is not None else token_logps.detach()
         seq_logps = A.sequence_log_probs(token_logps, mask)

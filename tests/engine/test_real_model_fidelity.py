@@ -132,3 +132,52 @@ def test_kl_is_per_token_as_in_trl_and_the_sequence_kl_has_its_own_name(tmp_path
 def test_sync_ref_model_without_a_separate_reference_is_rejected(tmp_path, qwen2_model, flags, why):
     with pytest.raises(ConfigError, match=f"sync_ref_model: true has nothing to sync with {why}"):
         tiny_config(tmp_path, qwen2_model, sync_ref_model=True, **flags)
+
+
+PROCESSORS = {"suppress_tokens": [5, 6], "min_new_tokens": 3, "no_repeat_ngram_size": 2}
+LORA = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"])
+
+
+@pytest.fixture(scope="module")
+def qwen_chat(tmp_path_factory):
+    return build_chat_model(tmp_path_factory.mktemp("qwen_kl"), "qwen")
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("processors", [False, True], ids=["no-processors", "processors"])
+@pytest.mark.parametrize("chunked", [False, True], ids=["full-logits", "chunked"])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_step_1_kl_is_exactly_0_between_identical_models(tmp_path, qwen_chat, bf16, chunked, processors, lora):
+    """Generate-time processors (issue 22 defect 1) and the chunked head under mixed precision (defect 2) each
+    made the policy and the reference disagree before a single update. Decoding log-probs in fp32 without
+    processors are a different computation (KV-cached) and agree to ~1e-7 per sequence; with `forward` it is 0."""
+    sampling = ["auto", "forward"] if not (bf16 or processors) else ["auto"]
+    for mode in sampling:
+        cfg = tiny_config(tmp_path / mode, qwen_chat, bf16=bf16, chunked_logprobs=chunked, beta=0.1, max_steps=1,
+                          sampling_logprobs=mode, generation_kwargs=PROCESSORS if processors else {},
+                          dataset_name=str(prompt_file(tmp_path / mode, conversational=True)), **(LORA if lora else {}))
+        RLOOTrainer(cfg).train()
+        row = read_metrics(tmp_path / mode / "out")[0]
+        if mode == "auto" and not (bf16 or processors):  # the decoding log-probs
+            assert abs(row["sequence_kl"]) < 1e-6 and row["sequence_kl"] != 0.0, row["sequence_kl"]
+        else:
+            assert row["kl"] == 0.0 and row["sequence_kl"] == 0.0, (mode, row["kl"], row["sequence_kl"])
+
+
+def test_decoding_logprobs_with_processors_are_refused_when_asked_for(tmp_path, qwen_chat):
+    cfg = tiny_config(tmp_path, qwen_chat, beta=0.1, sampling_logprobs="generation",
+                      generation_kwargs={"min_new_tokens": 3})
+    with pytest.raises(ConfigError, match=r"sampling_logprobs: 'generation' with logits processors min_new_tokens"):
+        RLOOTrainer(cfg)
+
+
+def test_the_models_own_generation_config_processors_are_seen(qwen_chat):
+    from transformers import GenerationConfig
+
+    from rloo_engine.generation import logit_processors_in_use
+
+    gen = GenerationConfig.from_pretrained(qwen_chat)
+    assert logit_processors_in_use(gen, {}) == []
+    gen.suppress_tokens = [7]
+    assert logit_processors_in_use(gen, {"stop_strings": ["x"]}) == ["suppress_tokens (the model's generation_config)"]
+    assert logit_processors_in_use(gen, {"suppress_tokens": [8]}) == ["suppress_tokens"]
