@@ -21,8 +21,11 @@ import torch
 
 # Positions per chunk: about 8M logits (32 MiB in float32) at a time.
 _CHUNK_LOGITS = 1 << 23
-# Config fields of architectures that transform the logits after the LM head.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+# Config fields of architectures known to transform the logits after the LM head. Not the only guard: the
+# trainer also compares the chunked path with the model's own log-probs on a probe batch at start-up
+# (`rollout.chunked_head_difference`), which catches transforms under names nobody listed.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale",
+                     "lm_head_multiplier", "output_multiplier")
 
 
 def chunkable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
@@ -33,8 +36,11 @@ def chunkable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     if type(head) is not torch.nn.Linear or hasattr(head.weight, "ds_id"):  # ds_id: a ZeRO-3 partitioned weight
         return None
     config = getattr(inner, "config", None)
-    if any(getattr(config, name, None) not in (None, 1.0) for name in _LOGIT_TRANSFORMS):
-        return None
+    # Composite configs (e.g. Gemma3n) keep the text model's fields in get_text_config().
+    text_config = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else None
+    for cfg in (config, text_config):
+        if any(getattr(cfg, name, None) not in (None, 1.0) for name in _LOGIT_TRANSFORMS):
+            return None
     return head
 
 

@@ -5,6 +5,7 @@ This is the only place where a batch is assembled; the trainer then slices it in
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -77,6 +78,29 @@ def completion_token_logps(
     with HeadInput(head) as captured:
         model(**kwargs)
     return chunked_token_log_probs(captured.hidden[:, :-1], head, tokens, temperature, with_entropy)
+
+
+@torch.no_grad()
+def chunked_head_difference(model: torch.nn.Module, autocast=contextlib.nullcontext) -> float | None:
+    """Max |log-prob difference| between the chunked path and the model's own logits on a fixed probe batch (two
+    rows of 8 tokens, no RNG used), or None when the head is not one the chunked path can run at all. A model that
+    transforms its logits after the head (a multiplier, soft-capping, a scale under a name nobody listed) shows
+    up here, not only the ones `logprobs.chunkable_head` knows by name."""
+    head = chunkable_head(model)
+    if head is None:
+        return None
+    vocab = head.weight.shape[0]
+    ids = (torch.arange(16, device=head.weight.device) * 7919 % vocab).view(2, 8)
+    mask = torch.ones_like(ids)
+    was_training = model.training
+    model.eval()
+    try:
+        with autocast():
+            full, _ = completion_token_logps(model, ids, mask, 4, 1.0, chunked=False)
+            chunked, _ = completion_token_logps(model, ids, mask, 4, 1.0, chunked=True)
+    finally:
+        model.train(was_training)
+    return (full.float() - chunked.float()).abs().max().item()
 
 
 @torch.no_grad()

@@ -57,6 +57,7 @@ from rloo_engine.reward_sources import EmptySourceWatch, RewardModelSource, buil
 from rloo_engine.rollout import (
     GenerationBatch,
     batched_token_logps,
+    chunked_head_difference,
     completion_length_metrics,
     completion_token_logps,
     group_reward_std,
@@ -118,6 +119,7 @@ class RLOOTrainer:
         for source in self.reward_sources:
             if isinstance(source, RewardModelSource):
                 source.model = prepare_frozen_model(self.acc, source.model)
+        self.chunked_logprobs = cfg.chunked_logprobs and self._chunked_head_reproduces()
         set_seed(cfg.seed, device_specific=True)  # weights are identical everywhere; sampling noise must not be
         self.backend = backend or self._default_backend()
         self.sampler = PromptSampler(len(self.dataset), cfg.seed, cfg.shuffle_dataset,
@@ -149,6 +151,21 @@ class RLOOTrainer:
         return HFGenerationBackend(lambda: self.acc.unwrap_model(self.policy), self.tokenizer, self._sampling_params(),
                                    gather=lambda: full_weights_for_generation(self.acc, self.policy),
                                    record_logps=self._record_decoding_logprobs())
+
+    def _chunked_head_reproduces(self) -> bool:
+        """Whether `chunked_logprobs` can run: the chunked head gives the model's own log-probs on a probe batch."""
+        difference = chunked_head_difference(self.policy, self.acc.autocast)
+        half = self.acc.mixed_precision in ("bf16", "fp16") or self.cfg.dtype in ("bfloat16", "float16")
+        tolerance = 2e-2 if half else 1e-4  # rounding of one head matmul; a logit transform is far above it
+        if difference is not None and difference <= tolerance:
+            return True
+        if self.acc.is_main_process:
+            why = ("its LM head is not a plain Linear the chunked path can run (LoRA on lm_head, ZeRO-3, a listed "
+                   "logit transform)" if difference is None else
+                   f"on a probe batch it is up to {difference:.3g} away from the model's own log-probs (a transform "
+                   "of the logits after the head?)")
+            print(f"rloo-engine: chunked_logprobs: {why}; using the full logits", file=sys.stderr)
+        return False
 
     def _record_decoding_logprobs(self) -> bool:
         """Whether the sampling policy's log-probs come from decoding (`sampling_logprobs`). Processors such as
@@ -223,7 +240,7 @@ class RLOOTrainer:
                     if old_logps is None:
                         with self.acc.autocast():  # as the reference below and the training forward
                             old_logps = batched_token_logps(self.policy, input_ids, attention_mask, P, c.temperature,
-                                                            c.per_device_train_batch_size, c.chunked_logprobs)
+                                                            c.per_device_train_batch_size, self.chunked_logprobs)
                     if c.beta > 0:
                         # accelerate's autocast wraps only the prepared model's forward; every log-prob pass runs
                         # inside it explicitly, so the chunked head (which runs after the forward) and the
@@ -231,7 +248,7 @@ class RLOOTrainer:
                         with self.acc.autocast(), reference_context(self.acc.unwrap_model(self.policy), self.ref):
                             ref_logps = batched_token_logps(self.ref or self.policy, input_ids, attention_mask, P,
                                                             c.temperature, c.per_device_train_batch_size,
-                                                            c.chunked_logprobs)
+                                                            self.chunked_logprobs)
                         token_kl = (old_logps - ref_logps) * mask
                         kl = token_kl.sum(-1)  # (N,) k1 sequence KL: what enters the reward
                         token_kl_mean = (token_kl.sum() / mask.sum().clamp(min=1)).item()  # TRL's `kl`
@@ -282,7 +299,7 @@ class RLOOTrainer:
         with self.acc.autocast():  # the chunked head too, not only the prepared forward (see the reference pass)
             token_logps, entropy = completion_token_logps(self.policy, mb["input_ids"], mb["attention_mask"],
                                                           mb["prompt_length"], c.temperature, with_entropy=True,
-                                                          chunked=c.chunked_logprobs)
+                                                          chunked=self.chunked_logprobs)
         mask = mb["completion_mask"]
         old = mb["old_token_logps"] if mb["old_token_logps"] is not None else token_logps.detach()
         seq_logps = A.sequence_log_probs(token_logps, mask)

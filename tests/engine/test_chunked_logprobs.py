@@ -7,7 +7,7 @@ import torch
 
 from rloo_engine import algorithm as A
 from rloo_engine.logprobs import chunkable_head, chunked_token_log_probs
-from rloo_engine.rollout import completion_token_logps
+from rloo_engine.rollout import chunked_head_difference, completion_token_logps
 from rloo_engine.testing import tiny_models
 
 
@@ -116,3 +116,43 @@ def test_a_training_run_with_chunked_log_probs_matches_the_full_logits_run(tmp_p
         assert metrics[True][key] == pytest.approx(metrics[False][key], abs=1e-4), key
     moved = max((weights[False][k] - weights[True][k]).abs().max().item() for k in weights[False])
     assert moved < 1e-4
+
+
+def test_a_logit_transform_nobody_listed_is_found_by_the_probe(model):
+    # A multiplier applied after the head under an unlisted name: the attribute list misses it, the probe does not.
+    assert chunked_head_difference(model) < 1e-5
+    handle = model.lm_head.register_forward_hook(lambda m, a, out: out * 2.5)
+    try:
+        assert chunkable_head(model) is model.lm_head
+        assert chunked_head_difference(model) > 0.1
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("field", ["lm_head_multiplier", "final_logit_softcapping"])
+def test_listed_transforms_on_the_text_config_of_a_composite_config_are_seen(model, field):
+    class Composite:
+        def get_text_config(self):
+            return type("TextConfig", (), {field: 0.5})()
+
+    inner = model.config
+    model.config = Composite()
+    try:
+        assert chunkable_head(model) is None
+    finally:
+        model.config = inner
+
+
+def test_training_falls_back_to_the_full_logits_when_the_probe_disagrees(tmp_path, qwen2_model, capsys):
+    from rloo_engine.trainer import RLOOTrainer
+    from tests.engine.helpers import tiny_config
+
+    trainer = RLOOTrainer(tiny_config(tmp_path, qwen2_model, beta=0.1, max_steps=1, chunked_logprobs=True))
+    assert trainer.chunked_logprobs  # nothing transforms this model's logits: the probe agrees
+    head = trainer.acc.unwrap_model(trainer.policy).lm_head
+    handle = head.register_forward_hook(lambda module, args, out: out * 2.5)
+    try:
+        assert not trainer._chunked_head_reproduces()
+    finally:
+        handle.remove()
+    assert "chunked_logprobs: on a probe batch it is up to" in capsys.readouterr().err
