@@ -53,6 +53,14 @@ def sequence_kl(policy_token_logps: torch.Tensor, ref_token_logps: torch.Tensor,
     return ((policy_token_logps - ref_token_logps) * mask).sum(-1)
 
 
+def kl_penalized_rewards(rewards: torch.Tensor, kl: torch.Tensor, beta: float) -> torch.Tensor:
+    """RLOO's reward, r_i = R(o_i) - beta * KL_i: the KL to the reference lowers the reward of a completion.
+
+    rewards, kl: (N,) with kl the sequence log-ratio to the reference (no gradient); returns (N,).
+    """
+    return rewards - beta * kl
+
+
 def leave_one_out_advantages(rewards: torch.Tensor, num_generations: int, valid: torch.Tensor | None = None) -> torch.Tensor:
     """A_i = r_i - mean of the other valid rewards of the same prompt.
 

@@ -255,7 +255,7 @@ class RLOOTrainer:
                 finally:
                     self.policy.train()
 
-        total_reward = rewards - c.beta * kl
+        total_reward = A.kl_penalized_rewards(rewards, kl, c.beta)
         advantages = A.leave_one_out_advantages(total_reward, G, valid)
         if c.normalize_advantages:
             # Over every scorable row of every process, as TRL normalises over the gathered batch.

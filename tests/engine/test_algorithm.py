@@ -51,6 +51,17 @@ def test_sequence_log_probs_and_kl_respect_mask():
     assert A.sequence_kl(logps, ref, mask).tolist() == [0.5, 1.0]
 
 
+def test_the_kl_penalty_lowers_the_advantage_of_the_diverging_completion():
+    # Equal rewards, one completion 4 nats from the reference, beta 0.5: its reward drops by 2, and the
+    # leave-one-out baseline passes that on. Catches a flipped sign (+beta*kl) and a dropped term.
+    rewards, kl = torch.ones(4), torch.tensor([0.0, 0.0, 0.0, 4.0])
+    penalized = A.kl_penalized_rewards(rewards, kl, beta=0.5)
+    assert torch.equal(penalized, torch.tensor([1.0, 1.0, 1.0, -1.0]))
+    advantages = A.leave_one_out_advantages(penalized, num_generations=4)
+    assert torch.allclose(advantages, torch.tensor([2 / 3, 2 / 3, 2 / 3, -2.0]))
+    assert torch.equal(A.kl_penalized_rewards(rewards, kl, beta=0.0), rewards)
+
+
 def test_leave_one_out_hand_computed():
     rewards = torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0, 6.0])  # two prompts, G = 3
     adv = A.leave_one_out_advantages(rewards, 3)
