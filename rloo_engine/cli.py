@@ -32,7 +32,7 @@ COMMANDS = {
 # keep working, and reported so nobody believes they took effect.
 IGNORED_TRL_FLAGS = {
     "report_to", "push_to_hub", "hub_model_id", "logging_dir", "eval_strategy", "eval_steps",
-    "dataset_test_split", "trust_remote_code", "overwrite_output_dir",
+    "dataset_test_split", "trust_remote_code",
     "save_strategy", "logging_strategy", "dataloader_num_workers", "remove_unused_columns",
 }
 

@@ -255,7 +255,7 @@ def test_recommended_train_settings_are_valid_rloo_configs(train, tmp_path):
 def test_recommended_eval_generation_settings_are_valid(generation):
     from rloo_engine.evaluation.config import EvalGenerationConfig
 
-    EvalGenerationConfig(**generation)
+    assert EvalGenerationConfig(**generation).model_dump(include=set(generation)) == generation
 
 
 def test_smoke_rloo_run_trains_on_the_assets(smoke, tmp_path):

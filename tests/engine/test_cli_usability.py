@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -102,14 +101,11 @@ def test_a_missing_model_path_fails_before_any_model_code_is_imported(tmp_path):
         "sys.exit(code)\n"
     )
     env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
-    started = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120)
-    elapsed = time.monotonic() - started
     assert proc.returncode == 2, proc.stderr
     assert f"error: rloo-engine train: model_name_or_path: local path {missing} does not exist" in proc.stderr
     assert "Repo id must be" not in proc.stderr and "Traceback" not in proc.stderr
-    assert "loaded: []" in proc.stdout
-    assert elapsed < 30, f"took {elapsed:.1f} s"  # interpreter start-up only (it took 9.8 s via the hub client)
+    assert "loaded: []" in proc.stdout  # decided from the string: no hub client, torch or transformers ran
 
 
 @pytest.mark.parametrize(

@@ -85,14 +85,14 @@ def test_second_run_into_one_output_dir_is_refused_and_the_first_finishes(tmp_pa
     while not metrics.exists() and time.monotonic() < deadline and first.poll() is None:
         time.sleep(0.2)
     assert metrics.exists(), first.communicate()[1][-3000:]
-    started = time.monotonic()
     second = run(cmd)
-    refused_after = time.monotonic() - started
+    still_running = first.poll() is None
     out, err = first.communicate(timeout=300)
     assert second.returncode == 2, second.stderr[-3000:]
     assert f"output_dir: {cfg.output_dir} is in use by another run (host {socket.gethostname()}, pid {first.pid}" \
         in second.stderr
-    assert refused_after < 10, f"refused only after {refused_after:.1f} s"
+    # Refused at once, not after waiting for the lock or loading anything: the first run was still training.
+    assert still_running and "Loading weights" not in second.stderr
     assert first.returncode == 0, err[-3000:]
     assert [r["step"] for r in read_metrics(cfg.output_dir)] == list(range(1, 31))
 

@@ -77,3 +77,11 @@ def test_a_resume_with_a_longer_max_steps_continues(tmp_path, qwen2_model, finis
 def test_overwrite_and_resume_together_are_a_config_error(tmp_path, qwen2_model):
     with pytest.raises(ConfigError, match="overwrite_output_dir: true with resume_from_checkpoint: 'latest'"):
         tiny_config(tmp_path, qwen2_model, overwrite_output_dir=True, resume_from_checkpoint="latest")
+
+
+def test_trls_overwrite_output_dir_flag_now_does_what_it_says():
+    from rloo_engine.cli import parse_train_args
+
+    cfg = parse_train_args(["--model_name_or_path", "org/m", "--dataset_name", "d.jsonl", "--reward_funcs", "a:b",
+                            "--overwrite_output_dir", "true"])
+    assert cfg.overwrite_output_dir is True

@@ -46,7 +46,8 @@ def test_with_beta_the_trainer_runs_only_the_reference_forward(tmp_path, qwen2_m
         # per generation batch: the reference only, or the policy and then the reference
         assert len(calls) == (2 if source == "generation" else 4), source
     kl = {s: read_metrics(tmp_path / s / "out")[-1]["sequence_kl"] for s in ("generation", "forward")}
-    assert kl["generation"] == pytest.approx(kl["forward"], abs=1e-4)
+    assert abs(kl["forward"]) > 1e-3  # two updates at lr 3e-2 moved the policy: a KL worth comparing
+    assert kl["generation"] == pytest.approx(kl["forward"], rel=1e-3)
 
 
 def test_auto_takes_the_forward_pass_in_mixed_precision(tmp_path, qwen2_model):

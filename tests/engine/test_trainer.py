@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from rloo_engine import models
 from rloo_engine.fault_injection import CRASH_ENV
+from rloo_engine.rollout import batched_token_logps
 from rloo_engine.trainer import RLOOTrainer
 from tests.engine.helpers import prompt_file, read_metrics, tiny_config
 
@@ -119,7 +120,15 @@ def test_on_policy_ratio_is_exactly_one_without_extra_forward(tmp_path, qwen2_mo
 def test_off_policy_reuses_batch_with_stored_old_logps(tmp_path, qwen2_model):
     trainer = RLOOTrainer(tiny_config(tmp_path, qwen2_model, num_iterations=2, max_steps=2, learning_rate=5e-2))
     assert not trainer.on_policy
-    assert trainer.generation_step().old_token_logps is not None
+    batch = trainer.generation_step()
+    forward = batched_token_logps(trainer.policy, batch.input_ids, batch.attention_mask, batch.prompt_length,
+                                  trainer.cfg.temperature, 8)
+    mask = batch.completion_mask
+    assert batch.old_token_logps is not None and (batch.old_token_logps * mask - forward * mask).abs().max() < 1e-5
+    trainer.train()
+    # The second pass over each batch is off-policy: some ratio left 1 and was clipped or not, but measured.
+    rows = read_metrics(trainer.cfg.output_dir)
+    assert any(r["clip_ratio/region_mean"] > 0 or r["loss"] != 0 for r in rows)
 
 
 def test_lora_trains_only_adapter_weights(tmp_path, qwen2_model):
@@ -166,9 +175,12 @@ def test_mask_truncated_completions(tmp_path, qwen2_model):
     cfg = tiny_config(tmp_path, qwen2_model, mask_truncated_completions=True, max_completion_length=3)
     trainer = RLOOTrainer(cfg)
     batch = trainer.generation_step()
-    ended = batch.completion_mask.sum(-1) < 3
-    truncated = ~ended & (batch.completion_mask[:, -1] == 1)
+    last = batch.input_ids[:, -1]
+    eos = torch.tensor(list(trainer.model_eos_ids))
+    truncated = (batch.completion_mask.sum(-1) == 3) & ~torch.isin(last, eos)  # 3 tokens, none of them an EOS
+    assert truncated.any()  # a random-init model rarely stops within 3 tokens: the rule is exercised
     assert torch.all(batch.loss_weights[truncated] == 0)
+    assert torch.all(batch.loss_weights[~truncated] > 0)
 
 
 def test_reference_sync_moves_reference_towards_policy(tmp_path, qwen2_model):

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 # The engine stand-in: like `accelerate launch`, a launcher whose child does the work. The child makes the
 # call the engine makes at start-up, then works for two minutes.
 ENGINE = ("from rloo_engine.lifetime import die_with_parent_if_asked; die_with_parent_if_asked(); "
-          "import time; time.sleep(120)")
+          "print('engine ready', flush=True); import time; time.sleep(120)")
 LAUNCHER = (
     "import subprocess, sys, time\n"
     f"child = subprocess.Popen([sys.executable, '-c', {ENGINE!r}])\n"
@@ -56,7 +56,8 @@ def test_sigkill_of_the_flow_run_process_kills_the_engine_group(tmp_path):
         engine_pid = int(flow_run.stdout.readline().split()[1])
         group = os.getpgid(engine_pid)
         assert group != os.getpgid(flow_run.pid)  # training runs in its own process group
-        time.sleep(1.0)  # the engine has made its start-up call
+        while "engine ready" not in flow_run.stdout.readline():  # the engine has made its start-up call
+            pass
         flow_run.send_signal(signal.SIGKILL)  # no finally, no handler runs in the flow-run process
         flow_run.wait()
         deadline = time.monotonic() + 5
