@@ -173,3 +173,15 @@ def test_a_combination_deepspeed_cannot_run_on_cpu_is_refused_by_name(tmp_path, 
     assert proc.returncode != 0
     assert "launch profile deepspeed-zero2: fp16 needs a GPU" in proc.stderr
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_a_deepspeed_profile_that_accelerate_would_run_as_ddp_is_refused(tmp_path, qwen2_model, reward_model,
+                                                                          monkeypatch):
+    # ACCELERATE_USE_CPU (or --cpu) makes accelerate set up MULTI_CPU, i.e. plain DDP, under a DeepSpeed profile.
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    proc = launch("deepspeed_zero2", engine(*train_args(qwen2_model, reward_model, prompt_file(tmp_path),
+                                                         tmp_path / "out")))
+    assert proc.returncode != 0
+    assert "launch profile deepspeed-zero2: accelerate set up MULTI_CPU instead of DEEPSPEED" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,6 +118,16 @@ def unsure_rule(prompt: str, answer_a: str, answer_b: str) -> str:
 
 def broken_rule(prompt: str, answer_a: str, answer_b: str) -> str:
     raise RuntimeError("bug in the rule")
+
+
+# A handshake between the rule (in the judge's worker thread) and a coroutine on the event loop: the rule waits
+# until the loop has answered, which it can only do if the rule is not blocking the loop.
+RULE_STARTED, LOOP_ANSWERED = threading.Event(), threading.Event()
+
+
+def handshake_rule(prompt: str, answer_a: str, answer_b: str) -> str:
+    RULE_STARTED.set()
+    return "A" if LOOP_ANSWERED.wait(timeout=60) else "B"
 
 
 def slow_rule(prompt: str, answer_a: str, answer_b: str) -> str:
