@@ -5,6 +5,7 @@ only small files, so nothing of the old run is touched before the user has chose
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import sys
@@ -22,6 +23,9 @@ RESUMABLE_CHANGES = frozenset({
     "num_completions_to_print", "disable_tqdm", "output_dir", "run_name", "resume_from_checkpoint",
     "overwrite_output_dir", "reward_source_max_empty_steps", "attn_implementation",
 })
+# Options that name a file or directory: a run directory and its data may be moved or copied, so these compare
+# by content (`content_fingerprint`) rather than by path.
+PATH_OPTIONS = ("model_name_or_path", "reward_model_name_or_path", "dataset_name")
 CONFIG_FILE = "config.yaml"  # the config of the run that last started in output_dir
 OUTPUT_FILES = ("metrics.jsonl", "completions.jsonl")
 
@@ -38,14 +42,44 @@ def previous_outputs(out: Path) -> list[str]:
     return found
 
 
+def content_fingerprint(value: str | None) -> str | None:
+    """Names and sizes of the files under a local path (the first bytes of each file too), or None for a hub id:
+    cheap, and it tells a copied dataset or model from a different one."""
+    if not value or not Path(value).exists():
+        return None
+    root = Path(value)
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f"{f.relative_to(root) if f != root else f.name}:{f.stat().st_size}:".encode())
+        with f.open("rb") as fh:
+            digest.update(fh.read(1 << 16))
+    return digest.hexdigest()[:16]
+
+
+def config_snapshot(cfg: RLOOConfig) -> dict[str, Any]:
+    """What a checkpoint records of its run: every option, and the content fingerprint of each path option."""
+    values = cfg.model_dump(mode="json")
+    values["_fingerprints"] = {name: content_fingerprint(values.get(name)) for name in PATH_OPTIONS}
+    return values
+
+
 def trajectory_differences(saved: dict[str, Any], cfg: RLOOConfig) -> list[str]:
-    """`field: saved -> now` for every option outside RESUMABLE_CHANGES whose value differs."""
+    """`field: saved -> now` for every option outside RESUMABLE_CHANGES whose value differs (path options: whose
+    content differs, when both were fingerprinted)."""
     now = cfg.model_dump(mode="json")
-    return [
-        f"{name}: {saved.get(name)!r} -> {value!r}"
-        for name, value in now.items()
-        if name not in RESUMABLE_CHANGES and name in saved and saved[name] != value
-    ]
+    fingerprints = saved.get("_fingerprints") or {}
+    differences = []
+    for name, value in now.items():
+        if name in RESUMABLE_CHANGES or name not in saved or saved[name] == value:
+            continue
+        if name in PATH_OPTIONS and fingerprints.get(name) is not None:
+            if fingerprints[name] == content_fingerprint(value):
+                continue  # the same content, moved or copied
+            differences.append(f"{name}: {saved[name]!r} -> {value!r} (other content)")
+            continue
+        differences.append(f"{name}: {saved[name]!r} -> {value!r}")
+    return differences
 
 
 def check_start(cfg: RLOOConfig, resume_path: Path | None, report: bool = True) -> None:
@@ -69,8 +103,9 @@ def check_start(cfg: RLOOConfig, resume_path: Path | None, report: bool = True) 
     found = previous_outputs(out)
     if not found or cfg.overwrite_output_dir:
         return
-    if cfg.resume_from_checkpoint == "latest" and "final/" not in found and _same_run_started_here(cfg, out):
-        return  # this run's own attempt, killed before its first checkpoint: it starts over
+    unfinished = not any(name == "final/" or name.startswith("checkpoint-") for name in found)
+    if unfinished and _same_run_started_here(cfg, out):
+        return  # this same run's attempt, killed before its first checkpoint: it starts over
     raise ConfigError(
         f"output_dir: {out} holds another run's outputs ({', '.join(found)}); a fresh run would overwrite them. "
         "Continue that run with --resume_from_checkpoint latest, or pass --overwrite_output_dir true to delete "

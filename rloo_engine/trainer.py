@@ -62,7 +62,7 @@ from rloo_engine.rollout import (
     completion_token_logps,
     group_reward_std,
 )
-from rloo_engine.run_continuity import check_start, clear_previous_outputs
+from rloo_engine.run_continuity import check_start, clear_previous_outputs, config_snapshot
 from rloo_engine.run_lock import acquire_run_lock
 from rloo_engine.train_preflight import check_before_loading
 
@@ -423,7 +423,7 @@ class RLOOTrainer:
     def _trainer_state(self) -> dict:
         return {"global_step": self.global_step, "sampler": self.sampler.state_dict(), "cursor": self.cursor,
                 "total_steps": self.total_steps, "num_processes": self.acc.num_processes,
-                "config": self.cfg.model_dump(mode="json")}  # a resume checks it continues the same trajectory
+                "config": config_snapshot(self.cfg)}  # a resume checks it continues the same trajectory
 
     def _fresh_policy(self) -> torch.nn.Module:
         """A whole copy of the initial policy (LoRA-wrapped like it), loaded outside ZeRO-3's partitioning."""

@@ -85,3 +85,33 @@ def test_trls_overwrite_output_dir_flag_now_does_what_it_says():
     cfg = parse_train_args(["--model_name_or_path", "org/m", "--dataset_name", "d.jsonl", "--reward_funcs", "a:b",
                             "--overwrite_output_dir", "true"])
     assert cfg.overwrite_output_dir is True
+
+
+def test_a_moved_dataset_resumes_and_other_data_is_refused(tmp_path, qwen2_model, finished_run):
+    import shutil
+
+    moved = tmp_path / "moved" / "prompts.jsonl"
+    moved.parent.mkdir()
+    shutil.copy(finished_run.dataset_name, moved)  # the same prompts under another path: a copied run directory
+    RLOOTrainer(tiny_config(tmp_path, qwen2_model, save_steps=2, max_steps=5, dataset_name=str(moved),
+                            resume_from_checkpoint="latest")).train()
+    other = tmp_path / "other.jsonl"
+    other.write_text(Path(finished_run.dataset_name).read_text().replace("cat", "cow"))
+    with pytest.raises(ConfigError, match=r"dataset_name: .* -> .*other.jsonl' \(other content\)"):
+        RLOOTrainer(tiny_config(tmp_path, qwen2_model, save_steps=2, max_steps=6, dataset_name=str(other),
+                                resume_from_checkpoint="latest"))
+
+
+def test_a_killed_attempt_of_the_same_run_may_start_over(tmp_path, qwen2_model):
+    # No checkpoint and no final/: only the history of this same configuration, which a restart cuts back.
+    cfg = tiny_config(tmp_path, qwen2_model, max_steps=2)
+    out = Path(cfg.output_dir)
+    RLOOTrainer(cfg).train()
+    import shutil
+
+    shutil.rmtree(out / "final")  # as if it had been killed after logging, before the end
+    RLOOTrainer(cfg).train()
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    with pytest.raises(ConfigError, match="holds another run's outputs"):  # another configuration may not
+        shutil.rmtree(out / "final")
+        RLOOTrainer(tiny_config(tmp_path, qwen2_model, max_steps=2, learning_rate=2e-3))
