@@ -64,6 +64,7 @@ from rloo_engine.rollout import (
 )
 from rloo_engine.run_continuity import check_start, clear_previous_outputs, config_snapshot
 from rloo_engine.run_lock import acquire_run_lock
+from rloo_engine.shared_output_dir import check_output_dir_shared
 from rloo_engine.train_preflight import check_before_loading
 
 
@@ -83,6 +84,7 @@ class RLOOTrainer:
         # Before anything loads: reward imports, tokenizer sizes, output_dir, this run's lock, the checkpoint.
         check_before_loading(cfg)
         self.run_lock = acquire_run_lock(cfg.output_dir) if self.acc.is_main_process else None
+        check_output_dir_shared(self.acc, cfg.output_dir)  # checkpoints need one filesystem across nodes
         self.resume_path = ckpt.resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir, self.acc.num_processes,
                                                self.acc.distributed_type == DistributedType.DEEPSPEED,
                                                report=self.acc.is_main_process)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -202,3 +203,29 @@ def test_latest_with_no_usable_checkpoint_says_it_starts_from_step_0(tmp_path, c
     err = capsys.readouterr().err
     assert f"skipping {tmp_path / 'checkpoint-2'}" in err
     assert f"rloo-engine: no usable checkpoint in {tmp_path}; starting from step 0" in err
+
+
+def _shared_check(tmp_path: Path, dirs: list[Path]) -> list[dict]:
+    proc = run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                str(REPO / "tests/engine/scripts/shared_dir_check.py"), *map(str, dirs)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((dirs[r % len(dirs)] / f"outcome-rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_every_rank_refuses_an_output_dir_that_is_not_shared(tmp_path):
+    """Rank 1 looks at another directory, as a node without the shared filesystem sees its local disk:
+    both ranks raise the same error, naming rank 1's host and path, and neither hangs."""
+    shared, local = tmp_path / "shared", tmp_path / "node1-local"
+    shared.mkdir(), local.mkdir()
+    outcomes = _shared_check(tmp_path, [shared, local])
+    for message in (o["error"] for o in outcomes):  # each rank names its own output_dir, the same path on real nodes
+        assert f"rank 1 on {socket.gethostname()}: {local}/.rloo-engine-shared-check cannot be read" in message
+        assert "rank 0 on" not in message and message.startswith("output_dir: ")
+    assert not (shared / ".rloo-engine-shared-check").exists()  # the token does not outlive the check
+    # a shared directory passes, and leaves nothing behind
+    same = tmp_path / "same"
+    same.mkdir()
+    assert [o["error"] for o in _shared_check(tmp_path, [same])] == [None, None]
+    assert sorted(p.name for p in same.iterdir()) == ["outcome-rank0.json", "outcome-rank1.json"]
