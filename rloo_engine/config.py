@@ -147,8 +147,12 @@ class RLOOConfig(StrictModel):
         "each chunk's logits in the backward pass, so the (batch, completion, vocabulary) logits never exist. "
         "A memory lever that costs time: on 2 CPU cores, one update of 16 x 64 completion tokens on a hidden-512 "
         "8-layer model took 230-320 MiB less peak RSS and ~0.8 s (20%) longer at 32k vocabulary, and 336 MiB "
-        "less and ~4 s (30%) longer at 152k. Not measured on GPU. Heads it cannot reproduce (LoRA on `lm_head`, "
-        "ZeRO-3, soft-capped or scaled logits) use the full logits anyway.",
+        "less and ~4 s (30%) longer at 152k. It pays only where micro-batch tokens x vocabulary outweighs "
+        "vocabulary x hidden (the head's weight gradient, which both paths make): in `bench/chunked_logprobs_memory.py` "
+        "at 152k vocabulary and 16 x 32 tokens the log-prob step's peak was 0.49x (hidden 512), 0.83x (2048) and "
+        "0.85x (4096) of the full logits', but 1.01-1.12x (no gain) at 16 x 8 tokens or a 32k vocabulary, with "
+        "short completions. Not measured on GPU. Heads it cannot reproduce (LoRA on `lm_head`, ZeRO-3, "
+        "soft-capped or scaled logits) use the full logits anyway.",
     )
     use_vllm: bool = F(
         False,

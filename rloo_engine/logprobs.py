@@ -118,17 +118,23 @@ class _ChunkedLogProbs(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         grad_b = torch.zeros(weight.size(0), dtype=torch.float32, device=weight.device) if bias is not None else None
         rows = torch.arange(min(ctx.chunk, h.size(0)), device=h.device)
+        # Cast once, not once per chunk: under autocast a (V, H) copy per chunk cost time and a transient.
+        w = weight.to(ctx.dtype)
         with torch.autocast(h.device.type, enabled=False):
             for start in range(0, h.size(0), ctx.chunk):
                 end = start + ctx.chunk
                 n = min(end, h.size(0)) - start
-                logits = _scaled_logits(h[start:end], weight, bias, ctx.dtype, ctx.temperature)
+                logits = _scaled_logits(h[start:end], w, bias, ctx.dtype, ctx.temperature)
                 # d logp(token) / d logit_v = [v == token] - p_v; the temperature divides once more.
                 d_logits = torch.exp(logits - log_norm[start:end, None]).mul_(-g[start:end, None])
                 d_logits[rows[:n], flat_tokens[start:end]] += g[start:end]
                 d_logits = d_logits.div_(ctx.temperature).to(ctx.dtype)
-                grad_h[start:end] = (d_logits @ weight.to(ctx.dtype)).to(hidden.dtype)
-                grad_w += (d_logits.T @ h[start:end].to(ctx.dtype)).float()
+                grad_h[start:end] = (d_logits @ w).to(hidden.dtype)
+                h_chunk = h[start:end].to(ctx.dtype)
+                if ctx.dtype == torch.float32:  # in place: no (V, H) temporary beside the accumulator
+                    grad_w.addmm_(d_logits.T, h_chunk)
+                else:  # a half-precision (V, H) product, added into the float32 accumulator without a copy
+                    grad_w.add_(d_logits.T @ h_chunk)
                 if grad_b is not None:
                     grad_b += d_logits.float().sum(0)
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
