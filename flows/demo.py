@@ -76,9 +76,10 @@ def demo_config(assets, home: Path, smoke: bool) -> dict[str, Any]:
             "generation": settings.SMOKE_EVAL_GENERATION if smoke else settings.DEMO_EVAL_GENERATION,
             "progress": True,
         },
-        # Smoke mode trains 4 steps, too few to win; a zero threshold still exercises registration.
+        # Smoke mode trains 4 steps on 16 prompts, too few to win; a zero bar still exercises registration.
         "tracking": {"experiment": "rloo-demo", "registered_model": "rloo-demo-policy",
-                     "promotion": {"min_ci_low": 0.0 if smoke else 0.5, "alias": "candidate"}},
+                     "promotion": {"min_ci_low": 0.0 if smoke else 0.5, "min_n": 1 if smoke else 50,
+                                   "alias": "candidate"}},
         "output_root": str(home / "runs"),
     }
 

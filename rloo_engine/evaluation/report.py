@@ -46,7 +46,8 @@ class PairingResult(BaseModel):
     model_b: str
     n: int = Field(description="Prompts with completions from both models: n_valid + n_parse_error + n_api_error.")
     n_valid: int = Field(description="Prompts with a usable verdict (ties of identical answers included).")
-    n_win: int = Field(description="Counted wins: prompts, or single orders in `average` mode.")
+    n_win: int = Field(description="Counted wins: prompts, or single orders in `average` mode (a count, not the "
+                                   "rate's unit: the rate weighs every prompt once).")
     n_loss: int
     n_tie: int
     n_parse_error: int = Field(
@@ -55,9 +56,12 @@ class PairingResult(BaseModel):
     n_api_error: int = Field(description="Prompts whose judge call failed after its retries; excluded from the rate.")
     n_identical: int = Field(description="Prompts where both completions are identical: a tie, judged without a call.")
     n_missing: int = Field(description="Eval prompts lacking a completion from one of the two models.")
-    win_rate: float | None = Field(description="(W + 0.5 T) / (W + L + T) over valid judgments.")
+    win_rate: float | None = Field(
+        description="Mean per-prompt score over valid prompts (win 1, tie 0.5, loss 0; `average` mode averages a "
+        "prompt's two orders). Equals (W + 0.5 T) / (W + L + T) except in `average` mode with identical answers."
+    )
     se: float | None = Field(description="Standard error of the win rate (per-prompt scores, ddof=1).")
-    ci_low: float | None
+    ci_low: float | None = Field(description="Exact (Clopper-Pearson) interval of the win rate on per-prompt scores.")
     ci_high: float | None
     lc_win_rate: float | None = Field(
         description="Length-controlled win rate: fitted rate at equal length. None when not estimable."
@@ -71,17 +75,25 @@ class PairingResult(BaseModel):
         description="Share of judged prompts whose two orders pick the same winner (both-order mode only)."
     )
     first_slot_rate: float | None = Field(
-        description="Share of A/B verdicts that picked slot A (0.5 = no position bias)."
+        description="Share of verdicts that picked slot A, a tie counting half (0.5 = no position bias)."
     )
-    n_slot_verdicts: int = Field(0, description="A/B verdicts behind first_slot_rate.")
+    n_slot_verdicts: int = Field(0, description="Verdicts (A, B or tie) behind first_slot_rate.")
     slot_bias: float | None = Field(
-        None, description="Estimated share of verdicts decided by slot, not content: |2 first_slot_rate - 1|."
+        None, description="Estimated share of verdicts decided by slot, not content: |2 first_slot_rate - 1| with "
+        "its sampling noise taken out (sqrt(max(0, (2f - 1)^2 - Var))), so an unbiased judge's is near 0."
     )
     bias_corrected_win_rate: float | None = Field(
         None, description="The win rate with the estimated slot bias undone: 0.5 + (win_rate - 0.5) / (1 - slot_bias)."
     )
-    bias_corrected_ci_low: float | None = None
+    bias_corrected_ci_low: float | None = Field(
+        None, description="Bonferroni interval: the correction at the corners of intervals of the raw rate and of beta."
+    )
     bias_corrected_ci_high: float | None = None
+    rate_by_length_difference: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="The raw rate in three equal-count strata of the length difference (a minus b), each with "
+        "delta_min, delta_max, n, win_rate and an exact interval. Shown also when LC is not estimable.",
+    )
     mean_length_a: float | None
     mean_length_b: float | None
     length_unit: str

@@ -82,11 +82,24 @@ def position_bias_warning(r: PairingResult, cfg: EvalConfig) -> str | None:
     )
 
 
+def length_strata_text(r: PairingResult) -> str:
+    """'; by length difference: +1 to +5 words 60% [..] n=33, ...': how the raw rate moves with length."""
+    if not r.rate_by_length_difference:
+        return ""
+    parts = [
+        f"{s['delta_min']:+g} to {s['delta_max']:+g} {r.length_unit} {100 * s['win_rate']:.0f}% "
+        f"[{100 * s['ci_low']:.0f}%, {100 * s['ci_high']:.0f}%] n={s['n']}"
+        for s in r.rate_by_length_difference
+    ]
+    return f"; raw rate by length difference ({r.model_a} minus {r.model_b}): " + ", ".join(parts)
+
+
 def length_warning(r: PairingResult, cfg: EvalConfig) -> str | None:
     if r.lc_not_estimable:
         return (
             f"{r.name}: length-controlled win rate not estimable: {r.lc_not_estimable}; read the raw rate with the "
             f"mean lengths ({r.mean_length_a:.1f} vs {r.mean_length_b:.1f} {r.length_unit})"
+            + length_strata_text(r)
         )
     if r.win_rate is None or r.lc_win_rate is None:
         return None

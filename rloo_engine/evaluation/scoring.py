@@ -25,6 +25,10 @@ def text_length(text: str, unit: str) -> int:
     return len(text.split()) if unit == "words" else len(text)
 
 
+def _slot_a_share(verdict: str | None) -> float:
+    return 1.0 if verdict == "A" else 0.5 if verdict == "tie" else 0.0
+
+
 def _rate(numerator: int, denominator: int) -> float | None:
     return None if denominator == 0 else numerator / denominator
 
@@ -40,7 +44,7 @@ def summarize_pairing(
     len_b = np.array([text_length(j.item.completion_b, cfg.length_unit) for j in valid], dtype=float)
 
     resamples, level, seed = cfg.bootstrap_resamples, cfg.confidence_level, cfg.seed
-    ci = stats.bootstrap_mean_ci(scores, resamples, level, seed)
+    ci = stats.win_rate_ci(scores, level)
     lc_problem = stats.lc_support_problem(
         len_a, len_b, cfg.lc_min_overlap, cfg.length_unit, first=model_a
     ) or stats.lc_fit_problem(
@@ -51,10 +55,11 @@ def summarize_pairing(
         lc = stats.length_controlled_win_rate(scores, len_a, len_b)
         lc_ci = stats.bootstrap_lc_ci(scores, len_a, len_b, resamples, level, seed)
 
-    # Per prompt: how many of its verdicts picked slot A, and how many picked a slot at all.
-    first_slot = np.array([sum(jd.verdict == "A" for jd in j.judgments.values()) for j in valid], dtype=float)
-    decided = np.array([sum(jd.verdict in ("A", "B") for jd in j.judgments.values()) for j in valid], dtype=float)
-    corrected_ci = stats.bootstrap_bias_corrected_ci(scores, first_slot, decided, resamples, level, seed)
+    # Per prompt: its verdicts for slot A (a tie counts half), and all its verdicts.
+    first_slot = np.array([sum(_slot_a_share(jd.verdict) for jd in j.judgments.values()) for j in valid], dtype=float)
+    verdicts = np.array([sum(jd.verdict in ("A", "B", "tie") for jd in j.judgments.values()) for j in valid],
+                        dtype=float)
+    corrected_ci = stats.bias_corrected_ci(scores, first_slot, verdicts, level)
     both_judged = [j for j in valid if j.outcome.consistent is not None]
     all_len_a = [text_length(j.item.completion_a, cfg.length_unit) for j in judged]
     all_len_b = [text_length(j.item.completion_b, cfg.length_unit) for j in judged]
@@ -71,7 +76,7 @@ def summarize_pairing(
         n_api_error=sum(j.outcome.status == "api_error" for j in judged),
         n_identical=sum(j.outcome.identical for j in judged),
         n_missing=n_missing,
-        win_rate=stats.win_rate(n_win, n_loss, n_tie),
+        win_rate=float(scores.mean()) if len(scores) else None,  # the unit is the prompt, as for the CI
         se=stats.standard_error(scores),
         ci_low=ci[0] if ci else None,
         ci_high=ci[1] if ci else None,
@@ -80,12 +85,13 @@ def summarize_pairing(
         lc_ci_high=lc_ci[1] if lc_ci else None,
         lc_not_estimable=lc_problem,
         consistency_rate=_rate(sum(bool(j.outcome.consistent) for j in both_judged), len(both_judged)),
-        first_slot_rate=_rate(int(first_slot.sum()), int(decided.sum())),
-        n_slot_verdicts=int(decided.sum()),
-        slot_bias=float(stats.slot_bias(first_slot, decided)) if decided.sum() else None,
-        bias_corrected_win_rate=stats.bias_corrected_rate(scores, first_slot, decided),
+        first_slot_rate=float(stats.first_slot_rate(first_slot, verdicts)) if verdicts.sum() else None,
+        n_slot_verdicts=int(verdicts.sum()),
+        slot_bias=float(stats.slot_bias(first_slot, verdicts)) if verdicts.sum() else None,
+        bias_corrected_win_rate=stats.bias_corrected_rate(scores, first_slot, verdicts),
         bias_corrected_ci_low=corrected_ci[0] if corrected_ci else None,
         bias_corrected_ci_high=corrected_ci[1] if corrected_ci else None,
+        rate_by_length_difference=stats.length_strata(scores, len_a, len_b, level),
         mean_length_a=float(np.mean(all_len_a)) if all_len_a else None,
         mean_length_b=float(np.mean(all_len_b)) if all_len_b else None,
         length_unit=cfg.length_unit,

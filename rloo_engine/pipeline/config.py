@@ -234,6 +234,12 @@ class PromotionGate(StrictModel):
         ge=0.0,
         le=1.0,
     )
+    min_n: int = F(
+        50,
+        "Refuse promotion when policy_vs_sft has fewer valid prompts than this, whatever its interval: a few "
+        "prompts say little about a policy even when every one is won.",
+        ge=1,
+    )
     alias: str = F("candidate", "Registry alias moved to the new version when the gate passes.", min_length=1)
 
 

@@ -1,5 +1,6 @@
 """The promotion gate: a trained policy becomes a registry candidate only when the lower bound of its
-policy-vs-SFT win-rate CI reaches `tracking.promotion.min_ci_low`; the reason says why, either way."""
+policy-vs-SFT win-rate CI reaches `tracking.promotion.min_ci_low` on at least `min_n` valid prompts; the reason
+says why, either way."""
 
 from __future__ import annotations
 
@@ -27,6 +28,14 @@ def promotion_decision(evaluation: EvalSummary, gate: PromotionGate) -> GateDeci
             ci_low=None,
             threshold=threshold,
             reason=f"{GATE_PAIRING} has no confidence interval ({n_valid} valid judgments of {result.get('n')})",
+        )
+    if n_valid is None or n_valid < gate.min_n:
+        return GateDecision(
+            passed=False,
+            ci_low=ci_low,
+            threshold=threshold,
+            reason=f"{GATE_PAIRING} has {n_valid} valid prompts, fewer than promotion.min_n {gate.min_n}; "
+            "evaluate on more prompts (evaluation.num_samples) or lower min_n",
         )
     rate = result.get("win_rate")
     detail = f"win rate {rate:.3f}, CI [{ci_low:.3f}, {result.get('ci_high'):.3f}], n={result.get('n')}"

@@ -53,7 +53,7 @@ def tiny_pipeline_config(assets: dict[str, Path], output_root: Path) -> dict[str
         "tracking": {
             "experiment": "pipeline-tests",
             "registered_model": "tiny-policy",
-            "promotion": {"min_ci_low": 0.0, "alias": "candidate"},
+            "promotion": {"min_ci_low": 0.0, "min_n": 1, "alias": "candidate"},
         },
         "output_root": str(output_root),
     }

@@ -19,13 +19,13 @@ from rloo_engine.pipeline.promotion import promotion_decision
 from rloo_engine.pipeline.stage_results import EvalSummary, TrainStageResult
 
 
-def evaluation(ci_low: float | None, pairing: str = "policy_vs_sft") -> EvalSummary:
+def evaluation(ci_low: float | None, pairing: str = "policy_vs_sft", n: int = 64) -> EvalSummary:
     result = {
         "win_rate": None if ci_low is None else ci_low + 0.1,
         "ci_low": ci_low,
         "ci_high": None if ci_low is None else min(1.0, ci_low + 0.2),
-        "n": 16,
-        "n_valid": 16 if ci_low else 0,
+        "n": n,
+        "n_valid": n if ci_low else 0,
     }
     return EvalSummary(
         pairings={pairing: result},
@@ -43,13 +43,21 @@ def evaluation(ci_low: float | None, pairing: str = "policy_vs_sft") -> EvalSumm
         (0.55, 0.5, True, "policy_vs_sft CI lower bound 0.550 >= min_ci_low 0.500"),
         (0.50, 0.5, True, ">= min_ci_low 0.500"),
         (0.45, 0.5, False, "policy_vs_sft CI lower bound 0.450 < min_ci_low 0.500"),
-        (None, 0.5, False, "has no confidence interval (0 valid judgments of 16)"),
+        (None, 0.5, False, "has no confidence interval (0 valid judgments of 64)"),
     ],
 )
 def test_gate_compares_the_policy_vs_sft_ci_lower_bound_with_the_threshold(ci_low, threshold, passed, reason):
     decision = promotion_decision(evaluation(ci_low), PromotionGate(min_ci_low=threshold))
     assert decision.passed is passed
     assert reason in decision.reason
+
+
+def test_gate_refuses_fewer_valid_prompts_than_min_n_whatever_the_interval():
+    """3 of 3 won: today's interval says [0.29, 1.0] and fails the 0.5 bar; min_n refuses it even at bar 0."""
+    decision = promotion_decision(evaluation(0.29, n=3), PromotionGate(min_ci_low=0.0))
+    assert not decision.passed
+    assert "has 3 valid prompts, fewer than promotion.min_n 50" in decision.reason
+    assert promotion_decision(evaluation(0.29, n=3), PromotionGate(min_ci_low=0.0, min_n=3)).passed
 
 
 def test_gate_fails_when_policy_vs_sft_was_not_evaluated():
