@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("url")
     p.add_argument("out")
     p.add_argument("--click", action="append", default=[], help="CSS selector of an element to click (repeatable, in order)")
+    p.add_argument("--click-text", action="append", default=[],
+                   help="click the first button whose text starts with this, if there is one (repeatable; after --click)")
     p.add_argument("--wait", type=float, default=8.0, help="seconds to wait after loading and after each click")
     p.add_argument("--size", default="1600,1000", help="window width,height")
     p.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for an element or a text")
@@ -116,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
             if not wait_until(page, click, args.timeout, f"nothing matches {selector}"):
                 return 1
             time.sleep(args.wait)
+        for text in args.click_text:  # dismissals (a first-visit tip): clicked when present, never waited for
+            page.evaluate(f"[...document.querySelectorAll('button')].find(b => b.innerText.trim().startsWith("
+                          f"{json.dumps(text)}))?.click()")
+            time.sleep(1)
         shot = page.call("Page.captureScreenshot", format="png")
         Path(args.out).write_bytes(base64.b64decode(shot["data"]))
         return 0

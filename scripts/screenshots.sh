@@ -68,6 +68,19 @@ v = versions[0] if versions else None
 print(exp.experiment_id, v.source.removeprefix("models:/") if v else "-", name, v.version if v else "-")
 PY
 )
+# The newest evaluate run, whose Traces tab holds one trace per judged prompt.
+eval_run_id="$(MLFLOW_TRACKING_URI="sqlite:///$home/mlflow.db" "$venv/bin/python" - "$exp_id" <<'PY' 2>/dev/null
+import sys
+from mlflow import MlflowClient
+
+c = MlflowClient()
+runs = c.search_runs([sys.argv[1]], "tags.`mlflow.runName` = 'evaluate'", order_by=["start_time DESC"], max_results=1)
+judged = c.search_traces(locations=[sys.argv[1]], run_id=runs[0].info.run_id, filter_string="tags.identical = 'false'",
+                         max_results=1, include_spans=False) if runs else []
+print(runs[0].info.run_id if runs else "-", judged[0].info.trace_id if judged else "-")
+PY
+)"
+read -r eval_run_id judged_trace_id <<<"$eval_run_id"
 
 shot() {  # name, url [virtual time budget in ms]: pages that need no clicks
   "$chromium" --headless --no-sandbox --disable-gpu --disable-quic --no-first-run --disable-background-networking \
@@ -84,6 +97,14 @@ mlflow="http://127.0.0.1:$mlflow_port"
 if [ "$model_id" != "-" ]; then
   shot mlflow-logged-model "$mlflow/#/experiments/$exp_id/models/$model_id"
   shot mlflow-model-version "$mlflow/#/models/$model_name/versions/$model_version"
+fi
+if [ "$eval_run_id" != "-" ]; then  # the judged prompts as traces, and one of them with its verdict feedback
+  "$venv/bin/python" scripts/cdp_screenshot.py "$mlflow/#/experiments/$exp_id/traces" \
+    "$out/mlflow-judgment-traces.png" --wait-text "verdict_ab" --wait 4 --size "${WINDOW_SIZE:-1800,700}" \
+    --click-text "Got it" && echo "screenshots: $out/mlflow-judgment-traces.png  <- the judged prompts as traces"
+  "$venv/bin/python" scripts/cdp_screenshot.py "$mlflow/#/experiments/$exp_id/traces?selectedEvaluationId=$judged_trace_id" \
+    "$out/mlflow-judgment-trace.png" --wait-text "verdict_ab" --wait 4 --size 1800,900 --click-text "Got it" \
+    --click-text "Assess" && echo "screenshots: $out/mlflow-judgment-trace.png  <- trace $judged_trace_id, its feedback open"
 fi
 # The Prefect UI asks its server where the API is; on a non-default port it must not say :4200.
 ui_api="$(curl -fsS "http://127.0.0.1:$prefect_port/ui-settings")"

@@ -25,6 +25,7 @@ from rloo_engine.evaluation.report import PairingResult
 from rloo_engine.pipeline import tracking
 from rloo_engine.pipeline.config import PipelineConfig, pipeline_field_names
 from rloo_engine.pipeline.environment import scoped_env
+from rloo_engine.pipeline.judgment_traces import judgment_traces, log_judgment_traces, most_telling_first
 from rloo_engine.pipeline.run_summary import pct
 from rloo_engine.pipeline.stage_results import EvalSummary
 from rloo_engine.pipeline.tracking import RunRef
@@ -92,6 +93,12 @@ def evaluate_win_rate(
 
         c = tracking.client(run.tracking_uri)
         c.log_table(run.run_id, data=report.table_columns(), artifact_file="judgments.json")
+        if cfg.evaluation.trace_judgments:
+            traces = most_telling_first(judgment_traces(report.table()), cfg.evaluation.trace_judgments)
+            judge = cfg.evaluation.judge
+            ids = log_judgment_traces(run.tracking_uri, run.experiment_id, run.run_id, traces,
+                                      judge_id=judge.model or judge.function or judge.backend)
+            tracking.set_tags(run, {"evaluation.judgment_traces": str(len(ids))})
         tracking.log_artifact(run, report.results_path)
         tracking.log_artifact(run, report.judgments_path)
         for path in report.completions.values():

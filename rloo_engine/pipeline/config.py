@@ -177,7 +177,7 @@ class LaunchSection(StrictModel):
 
 
 # EvaluationSection fields that are not EvalConfig's: every other field is passed on under its own name.
-_PIPELINE_ONLY_EVAL_FIELDS = ("num_samples", "api_key_secret")
+_PIPELINE_ONLY_EVAL_FIELDS = ("num_samples", "api_key_secret", "trace_judgments")
 
 
 def _eval_field(name: str) -> Any:
@@ -195,6 +195,13 @@ class EvaluationSection(StrictModel):
         "The promotion gate needs policy_vs_sft.",
     )
     num_samples: int | None = F(None, "Evaluate the first this many eval prompts. None = all.", ge=1)
+    trace_judgments: int = F(
+        1000,
+        "Record up to this many judged prompts (all pairings together) as MLflow traces of the evaluate run, "
+        "with each order's verdict and the judge's reply as feedback; failures and order disagreements first. "
+        "0 = none (the judgments table artifact is always logged).",
+        ge=0,
+    )
     order_mode: Literal["both", "single"] = _eval_field("order_mode")
     both_orders_rule: Literal["agree", "average"] = _eval_field("both_orders_rule")
     generation: EvalGenerationConfig = Field(

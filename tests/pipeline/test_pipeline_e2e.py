@@ -47,6 +47,7 @@ def test_on_demand_run_is_tracked_and_registered_when_the_gate_passes(deployed):
     assert {"judgments.json", "results.json", "judgments.jsonl"} <= eval_artifacts
     judgments = json.loads(open(client.download_artifacts(runs["evaluate"].info.run_id, "judgments.json")).read())
     assert len(judgments["data"]) >= 16 * 3  # both orders per prompt, minus identical-answer ties
+    _assert_judgments_are_traces(client, runs["evaluate"], judgments)
 
     artifacts = {a.key: a for a in deployed.artifacts(flow_run_id)}
     assert artifacts["rlhf-summary"].type == "markdown"
@@ -93,3 +94,28 @@ def test_nightly_deployment_has_its_schedule_on_the_server(deployed):
     assert nightly.work_pool_name == "gpu-pool"
     assert nightly.parameters["cfg"]["train"]["num_generations"] == 4  # parameters come from the config file
     assert nightly.job_variables["env"]["MLFLOW_TRACKING_URI"] == deployed.services.mlflow_uri
+
+
+def _assert_judgments_are_traces(client, eval_run, judgments: dict) -> None:
+    """Each judged prompt reads back through MLflow's API as a trace of the evaluate run, with one verdict
+    feedback per order, and the order disagreements are one tag filter away."""
+    rows = [dict(zip(judgments["columns"], values, strict=True)) for values in judgments["data"]]
+    by_prompt: dict[tuple, list[dict]] = {}
+    for row in rows:
+        by_prompt.setdefault((row["pairing"], row["prompt_id"]), []).append(row)
+    disagreements = {k for k, rs in by_prompt.items() if len(rs) == 2 and rs[0]["winner"] != rs[1]["winner"]}
+    where = {"locations": [eval_run.info.experiment_id], "run_id": eval_run.info.run_id, "max_results": 500}
+    traces = client.search_traces(**where)
+    assert eval_run.data.tags["evaluation.judgment_traces"] == str(len(by_prompt)) == str(len(traces)) == "48"
+    for trace in traces:
+        tags = trace.info.tags
+        key = (tags["pairing"], tags["prompt_id"])
+        feedback = {a.name: a for a in trace.info.assessments}
+        for row in by_prompt[key]:
+            if row["order"]:
+                assert feedback[f"verdict_{row['order']}"].value == row["winner"], key
+                assert feedback[f"verdict_{row['order']}"].rationale == row["raw_verdict"], key
+        assert tags["consistent"] == ("false" if key in disagreements else "true" if len(by_prompt[key]) == 2 else "n/a")
+        assert trace.data.request is not None and row["prompt"] in trace.data.request
+    filtered = client.search_traces(**where, filter_string="tags.consistent = 'false'")
+    assert {(t.info.tags["pairing"], t.info.tags["prompt_id"]) for t in filtered} == disagreements
