@@ -25,6 +25,14 @@ def text_length(text: str, unit: str) -> int:
     return len(text.split()) if unit == "words" else len(text)
 
 
+def slot_verdict_counts(valid: Sequence[JudgedItem]) -> tuple[np.ndarray, np.ndarray]:
+    """Per prompt: its verdicts for slot A (a tie counts half), and all its verdicts (A, B or tie)."""
+    first_slot = np.array([sum(_slot_a_share(jd.verdict) for jd in j.judgments.values()) for j in valid], dtype=float)
+    verdicts = np.array([sum(jd.verdict in ("A", "B", "tie") for jd in j.judgments.values()) for j in valid],
+                        dtype=float)
+    return first_slot, verdicts
+
+
 def _slot_a_share(verdict: str | None) -> float:
     return 1.0 if verdict == "A" else 0.5 if verdict == "tie" else 0.0
 
@@ -55,10 +63,7 @@ def summarize_pairing(
         lc = stats.length_controlled_win_rate(scores, len_a, len_b)
         lc_ci = stats.bootstrap_lc_ci(scores, len_a, len_b, resamples, level, seed)
 
-    # Per prompt: its verdicts for slot A (a tie counts half), and all its verdicts.
-    first_slot = np.array([sum(_slot_a_share(jd.verdict) for jd in j.judgments.values()) for j in valid], dtype=float)
-    verdicts = np.array([sum(jd.verdict in ("A", "B", "tie") for jd in j.judgments.values()) for j in valid],
-                        dtype=float)
+    first_slot, verdicts = slot_verdict_counts(valid)
     corrected_ci = stats.bias_corrected_ci(scores, first_slot, verdicts, level)
     both_judged = [j for j in valid if j.outcome.consistent is not None]
     all_len_a = [text_length(j.item.completion_a, cfg.length_unit) for j in judged]
