@@ -6,7 +6,9 @@ Speaks what the official client sends: `POST /v1/files` (multipart, purpose `bat
 `polls_to_finish` retrieves (or while `hold` is set), then answers every row with the `reply` callable it
 was given (the server passes its chat behaviour): 200 replies go to the output file, others to the error file. `expire_after_rows=k`
 finishes only the first k rows and ends the batch `expired`, the rest in the error file as
-`batch_expired` (a partial expiry, as OpenAI reports it). Everything is counted for the tests.
+`batch_expired` (a partial expiry, as OpenAI reports it). `refuse_status=404` answers every Files and
+Batches request with that status, as a server without the Batch API does (`vllm serve`); its body echoes
+the caller's key, to test redaction. Everything is counted for the tests.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class FakeBatchAPI:
         self.polls_to_finish = polls_to_finish
         self.expire_after_rows = expire_after_rows
         self.hold = False  # while True, batches stay in_progress however often they are polled
+        self.refuse_status: int | None = None
         self.files: dict[str, bytes] = {}
         self.uploads: list[str] = []  # ids of files uploaded with purpose "batch"
         self.batches: dict[str, FakeBatch] = {}
@@ -81,6 +84,10 @@ class FakeBatchAPI:
         path = path.split("?", 1)[0].removeprefix("/v1")
         with self._lock:
             self.calls.append((method, path))
+            if self.refuse_status is not None:
+                key = headers.get("authorization", "").removeprefix("Bearer ")
+                message = f"Not Found: {method} /v1{path} (Authorization: Bearer {key})"
+                return self.refuse_status, {"error": {"message": message, "type": "invalid_request_error"}}, {}
             if method == "POST" and path == "/files":
                 return self._upload(raw, headers.get("content-type", ""))
             if method == "GET" and (m := re.fullmatch(r"/files/([^/]+)/content", path)):

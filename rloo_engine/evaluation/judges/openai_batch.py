@@ -258,14 +258,15 @@ class OpenAIBatchJudge(OpenAIJudge):
     # ------------------------------------------------------------------ Files / Batches calls
     async def _api(self, call: Callable[[], Awaitable[T]], what: str) -> T:
         """One Files/Batches call with the judge's retry policy; 401/403/404 raise JudgeEndpointError."""
-        error = ""
+        error, refused = "", None
         for attempt in range(1, self.retry.max_attempts + 1):
             retry_after = None
             try:
                 return await call()
             except openai.APIStatusError as err:
                 if err.status_code in FATAL_STATUS:
-                    raise JudgeEndpointError(self._fatal_message(err)) from None
+                    refused = self._refused_message(what, err.status_code, str(err.message))
+                    break  # raised below, outside `except`: the client's error (it quotes the body) is not chained
                 error = f"HTTP {err.status_code}: {redact(str(err.message), self._secret)[:300]}"
                 if err.status_code not in RETRYABLE_STATUS:
                     break
@@ -274,10 +275,21 @@ class OpenAIBatchJudge(OpenAIJudge):
                 error = f"connection error: {redact(str(err), self._secret)[:300]}"
             if attempt < self.retry.max_attempts:
                 await asyncio.sleep(self.retry.delay(attempt, retry_after))
+        if refused is not None:
+            raise JudgeEndpointError(refused)
         raise EvaluationError(
             f"judge batch: {what} at {self.base_url} failed: {error}; submissions are recorded in the cache, so a "
             "rerun resumes them"
         )
+
+    def _refused_message(self, what: str, status: int, detail: str) -> str:
+        message = f"judge batch: {what} was refused: {self._fatal_message(status, detail)}"
+        if status == 404:
+            message += (
+                "; a server without the Batch API (e.g. `vllm serve`) answers 404 on /v1/files and /v1/batches: "
+                "use judge.mode: live"
+            )
+        return message
 
 
 def _batch_errors(batch: Any) -> str:
