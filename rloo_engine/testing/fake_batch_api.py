@@ -4,11 +4,17 @@ Speaks what the official client sends: `POST /v1/files` (multipart, purpose `bat
 `GET /v1/files/{id}/content`, `POST /v1/batches`, `GET /v1/batches/{id}`, `GET /v1/batches`
 (with `metadata`) and `POST /v1/batches/{id}/cancel`. A batch stays `in_progress` for
 `polls_to_finish` retrieves (or while `hold` is set), then answers every row with the `reply` callable it
-was given (the server passes its chat behaviour): 200 replies go to the output file, others to the error file. `expire_after_rows=k`
-finishes only the first k rows and ends the batch `expired`, the rest in the error file as
-`batch_expired` (a partial expiry, as OpenAI reports it). `refuse_status=404` answers every Files and
-Batches request with that status, as a server without the Batch API does (`vllm serve`); its body echoes
-the caller's key, to test redaction. Everything is counted for the tests.
+was given (the server passes its chat behaviour): 200 replies go to the output file, others to the error
+file. Failure modes, each off by default:
+
+- `expire_after_rows=k` finishes only the first k rows and ends the batch `expired`, the rest in the
+  error file as `batch_expired` (a partial expiry, as OpenAI reports it);
+- `refuse_status=404` answers every Files and Batches request with that status, as a server without
+  the Batch API does (`vllm serve`); its body echoes the caller's key, to test redaction;
+- `corrupt_output_rows=k` cuts the first k lines of each output file in half (a line that is not JSON);
+- `fail_batches_with=(code, message)` ends every batch `failed` with that batch-level error and no files.
+
+Everything is counted for the tests.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class FakeBatch:
     polls: int = 0
     output_file_id: str | None = None
     error_file_id: str | None = None
+    errors: list[dict[str, Any]] | None = None  # batch-level errors (a batch that failed validation)
     created_at: int = field(default_factory=lambda: int(time.time()))
 
     def to_json(self) -> dict[str, Any]:
@@ -53,7 +60,7 @@ class FakeBatch:
             "error_file_id": self.error_file_id,
             "created_at": self.created_at,
             "metadata": self.metadata,
-            "errors": None,
+            "errors": {"object": "list", "data": self.errors} if self.errors else None,
             "request_counts": {"total": len(self.rows), "completed": 0, "failed": 0} if not done else None,
         }
 
@@ -65,6 +72,8 @@ class FakeBatchAPI:
         self.expire_after_rows = expire_after_rows
         self.hold = False  # while True, batches stay in_progress however often they are polled
         self.refuse_status: int | None = None
+        self.corrupt_output_rows = 0
+        self.fail_batches_with: tuple[str, str] | None = None
         self.files: dict[str, bytes] = {}
         self.uploads: list[str] = []  # ids of files uploaded with purpose "batch"
         self.batches: dict[str, FakeBatch] = {}
@@ -148,7 +157,11 @@ class FakeBatchAPI:
         if self.hold or batch.polls < self.polls_to_finish:
             batch.status = "in_progress"
             return
-        if self.expire_after_rows is not None and self.expire_after_rows < len(batch.rows):
+        if self.fail_batches_with is not None:
+            code, message = self.fail_batches_with
+            batch.status = "failed"
+            batch.errors = [{"code": code, "message": message, "param": None, "line": None}]
+        elif self.expire_after_rows is not None and self.expire_after_rows < len(batch.rows):
             batch.status = "expired"
             self._finish(batch, self.expire_after_rows, "batch_expired")
         else:
@@ -179,6 +192,10 @@ class FakeBatchAPI:
             (outputs if status == 200 else errors).append(result)
         for rows, attr in ((outputs, "output_file_id"), (errors, "error_file_id")):
             if rows:
+                lines = [json.dumps(r) for r in rows]
+                if attr == "output_file_id":
+                    cut = min(self.corrupt_output_rows, len(lines))
+                    lines[:cut] = [line[: len(line) // 2] for line in lines[:cut]]
                 file_id = f"file-{next(_ids)}"
-                self.files[file_id] = "".join(json.dumps(r) + "\n" for r in rows).encode()
+                self.files[file_id] = "".join(line + "\n" for line in lines).encode()
                 setattr(batch, attr, file_id)

@@ -9,16 +9,22 @@ import traceback
 import pytest
 import yaml
 
-from rloo_engine.evaluation import JudgeEndpointError
+from rloo_engine.evaluation import JudgeEndpointError, run_evaluation
 from rloo_engine.evaluation.budget import SpendTracker
 from rloo_engine.evaluation.cache import JudgmentCache
 from rloo_engine.evaluation.cli import main as evaluate_main
 from rloo_engine.evaluation.judges import build_judge
 from rloo_engine.evaluation.judges.base import SlotPair
+from rloo_engine.evaluation.result_checks import UntrustworthyResultError
 from rloo_engine.evaluation.templates import load_template
+from rloo_engine.testing.fake_openai_server import FakeReply, sensible, verdict_text
 from tests.evaluation.eval_helpers import API_KEY
 
 BATCH = {"mode": "batch", "batch_poll_initial_s": 0.01, "batch_poll_max_s": 0.05}
+
+
+def _rows_of(server, batch_index: int) -> int:
+    return len(list(server.batch_api.batches.values())[batch_index].rows)
 
 
 def _chain(err: BaseException | None) -> list[BaseException]:
@@ -60,3 +66,47 @@ def test_a_server_without_the_batch_api_is_a_judge_endpoint_error_with_the_key_r
     assert evaluate_main(["--config", str(config_file), "--no_progress"]) == 1  # "the endpoint refused": exit 1
     stderr = capsys.readouterr().err
     assert stderr.startswith("error: judge batch:") and "HTTP 404" in stderr and API_KEY not in stderr
+
+
+# ---------------------------------------------------------------- 9. output the judge cannot read
+def test_a_malformed_output_line_is_a_counted_failure_and_the_rerun_resubmits_only_its_row(fake_server, make_config):
+    server = fake_server("sensible")
+    server.batch_api.corrupt_output_rows = 2  # two lines of the output file cut in half
+    cfg = make_config(server, judge=BATCH, max_failed_fraction=1.0)
+    report = run_evaluation(cfg)
+    assert report.judge["batch"]["rows"]["rows_malformed"] == 2
+    assert report.judge["batch"]["rows"]["rows_completed"] == 58
+    failed = [r for r in report.table() if r["status"] != "ok"]
+    assert len(failed) == 2 and all(r["status"] == "api_error" and "malformed" in r["error"] for r in failed)
+    failed_prompts = {(r["pairing"], r["prompt_id"]) for r in failed}
+    assert sum(p.n_api_error for p in report.pairings.values()) == len(failed_prompts)  # counted by the checks
+
+    server.batch_api.corrupt_output_rows = 0
+    again = run_evaluation(cfg)  # the batch was closed: only the two rows go in a new one
+    assert server.batch_api.batches_created == 2 and _rows_of(server, 1) == 2
+    assert again.pairings["policy_vs_reference"].win_rate == 0.7 and again.usage.judgments_cached == 58
+
+
+def test_a_reply_whose_token_usage_is_not_a_number_is_judged_with_estimated_tokens(fake_server, make_config):
+    def odd_usage(req):
+        message = {"role": "assistant", "content": sensible(req).text}
+        usage = {"prompt_tokens": 120, "completion_tokens": "n/a"}  # as a compatible server might send it
+        return FakeReply(
+            body={"object": "chat.completion", "choices": [{"index": 0, "message": message}], "usage": usage}
+        )
+
+    server = fake_server(odd_usage)
+    report = run_evaluation(make_config(server, judge=BATCH, pairings=["policy_vs_reference"]))
+    assert report.pairings["policy_vs_reference"].win_rate == 0.7
+    assert report.usage.prompt_tokens == 20 * 120
+    assert report.usage.completion_tokens == 20 * -(-len(verdict_text("A")) // 4)  # ~4 characters a token
+
+
+def test_the_error_text_of_a_failed_batch_is_redacted(fake_server, make_config):
+    server = fake_server("sensible")
+    server.batch_api.fail_batches_with = ("invalid_request", f"key {API_KEY} has no Batch API quota")
+    with pytest.raises(UntrustworthyResultError) as err:
+        run_evaluation(make_config(server, judge=BATCH, pairings=["policy_vs_reference"]))
+    rows = err.value.report.table()
+    assert len(rows) == 20 and all("invalid_request: key *** has no Batch API quota" in r["error"] for r in rows)
+    assert API_KEY not in err.value.report.judgments_path.read_text() and API_KEY not in str(err.value)

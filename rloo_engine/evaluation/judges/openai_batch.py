@@ -24,6 +24,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -36,6 +37,7 @@ from rloo_engine.evaluation.cache import JudgmentCache
 from rloo_engine.evaluation.config import JudgeConfig
 from rloo_engine.evaluation.errors import EvaluationError, JudgeEndpointError, redact
 from rloo_engine.evaluation.judges.base import Judgment, OnJudgment, SlotPair
+from rloo_engine.evaluation.judges.batch_files import BatchResults, custom_id, request_line
 from rloo_engine.evaluation.judges.openai_judge import OpenAIJudge, _reply_text
 from rloo_engine.evaluation.retry import FATAL_STATUS, RETRYABLE_STATUS, retry_after_seconds
 from rloo_engine.evaluation.templates import JudgeTemplate
@@ -44,10 +46,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 TERMINAL = frozenset({"completed", "expired", "cancelled", "failed"})
 _UNFINISHED = {"batch_expired": "expired", "batch_cancelled": "cancelled"}
-
-
-def custom_id(body: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()[:40]
 
 
 class OpenAIBatchJudge(OpenAIJudge):
@@ -108,16 +106,19 @@ class OpenAIBatchJudge(OpenAIJudge):
             self.spend.release(reservation)  # the rows' real usage is recorded as they are collected
         for token, batch_id, mine in batches:
             batch = await self._wait(batch_id)
-            rows = await self._download(batch)
+            files = await self._download(batch)
             for cid in mine:
                 i = index[cid]
-                row = rows.get(cid)
-                if row is None:
-                    self.counts["rows_missing"] += 1
-                    detail = _batch_errors(batch) or "the batch ended without a result for this row"
-                    done(i, Judgment("api_error", requests=1, error=f"batch {batch.id} ({batch.status}): {detail}"))
-                else:
+                row = files.rows.get(cid)
+                if row is not None:
                     done(i, await self._judgment_from_row(row, messages[i], batch.id))
+                elif cid in files.malformed:
+                    self.counts["rows_malformed"] += 1
+                    error = f"batch {batch.id}: malformed line in the output file: {files.malformed[cid]}"
+                    done(i, Judgment("api_error", requests=1, error=error))
+                else:
+                    self.counts["rows_missing"] += 1
+                    done(i, Judgment("api_error", requests=1, error=self._missing_row_error(batch, files)))
             self.store.batch_collected(token)
         if leftovers:
             self.counts["rows_judged_live"] += len(leftovers)
@@ -154,15 +155,12 @@ class OpenAIBatchJudge(OpenAIJudge):
         return resumed
 
     async def _submit(self, chunk: list[str], messages: list[list[dict[str, str]]]) -> tuple[str, str, float]:
-        lines = [
-            json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": self._body(m)})
-            for cid, m in zip(chunk, messages, strict=True)
-        ]
+        lines = [request_line(cid, self._body(m)) for cid, m in zip(chunk, messages, strict=True)]
         prompt_chars = sum(len(part["content"]) for m in messages for part in m)
         reservation = self.spend.reserve(prompt_chars, self.max_tokens, rows=len(chunk), batch=True)
         token = uuid.uuid4().hex  # new per submission, so an old batch of the same rows is never mistaken for it
         self.store.batch_submitting(token, self.judge_key, chunk)
-        data = ("\n".join(lines) + "\n").encode("utf-8")
+        data = b"".join(lines)
         file = await self._api(
             lambda: self._client.files.create(file=("judge_batch.jsonl", data, "application/jsonl"), purpose="batch"),
             "uploading the batch file",
@@ -203,17 +201,19 @@ class OpenAIBatchJudge(OpenAIJudge):
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.poll_max_s)
 
-    async def _download(self, batch: Any) -> dict[str, dict[str, Any]]:
-        rows: dict[str, dict[str, Any]] = {}
+    async def _download(self, batch: Any) -> BatchResults:
+        results = BatchResults()
         for file_id in (batch.output_file_id, batch.error_file_id):
-            if not file_id:
-                continue
-            content = await self._api(lambda f=file_id: self._client.files.content(f), f"downloading {file_id}")
-            for line in content.text.splitlines():
-                if line.strip():
-                    row = json.loads(line)
-                    rows[row["custom_id"]] = row
-        return rows
+            if file_id:
+                content = await self._api(lambda f=file_id: self._client.files.content(f), f"downloading {file_id}")
+                results.add_file(redact(content.text, self._secret))
+        return results
+
+    def _missing_row_error(self, batch: Any, results: BatchResults) -> str:
+        detail = redact(_batch_errors(batch), self._secret)[:300] or "the batch ended without a result for this row"
+        if results.unreadable_lines:
+            detail += f" ({results.unreadable_lines} lines of its files could not be read)"
+        return f"batch {batch.id} ({batch.status}): {detail}"
 
     # ------------------------------------------------------------------ rows to judgments
     async def _judgment_from_row(self, row: dict[str, Any], messages: list[dict[str, str]], batch_id: str) -> Judgment:
@@ -242,10 +242,11 @@ class OpenAIBatchJudge(OpenAIJudge):
             return judgment
         self.counts["rows_completed"] += 1
         text = redact(text, self._secret)
-        usage = body.get("usage") or {}
+        usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
         prompt_chars = sum(len(m["content"]) for m in messages)
-        pt = int(usage.get("prompt_tokens") or -(-prompt_chars // 4))
-        ct = int(usage.get("completion_tokens") or -(-len(text) // 4))
+        # Some compatible servers omit usage or fill it oddly; estimate (~4 characters per token) so budgets count.
+        pt = _token_count(usage.get("prompt_tokens"), math.ceil(prompt_chars / 4))
+        ct = _token_count(usage.get("completion_tokens"), math.ceil(len(text) / 4))
         self.spend.record(prompt_chars, pt, ct, batch=True)
         judgment.prompt_tokens, judgment.completion_tokens = pt, ct
         judgment.batch_prompt_tokens, judgment.batch_completion_tokens = pt, ct
@@ -293,6 +294,16 @@ class OpenAIBatchJudge(OpenAIJudge):
 
 
 def _batch_errors(batch: Any) -> str:
+    """The batch-level errors (e.g. a file that failed validation) as one line; it may quote what was sent."""
     errors = getattr(batch, "errors", None)
     data = getattr(errors, "data", None) or []
     return "; ".join(f"{e.code}: {e.message}" for e in data if e is not None)
+
+
+def _token_count(reported: Any, estimate: int) -> int:
+    """The server's token count when it is one (a positive integer), else `estimate`."""
+    if isinstance(reported, int) and not isinstance(reported, bool) and reported > 0:
+        return reported
+    if isinstance(reported, float) and reported.is_integer() and reported > 0:
+        return int(reported)
+    return estimate
