@@ -9,10 +9,11 @@ import traceback
 import pytest
 import yaml
 
-from rloo_engine.evaluation import JudgeEndpointError, run_evaluation
+from rloo_engine.evaluation import ConfigError, JudgeEndpointError, run_evaluation
 from rloo_engine.evaluation.budget import SpendTracker
 from rloo_engine.evaluation.cache import JudgmentCache
 from rloo_engine.evaluation.cli import main as evaluate_main
+from rloo_engine.evaluation.config import build_eval_config
 from rloo_engine.evaluation.judges import build_judge
 from rloo_engine.evaluation.judges.base import SlotPair
 from rloo_engine.evaluation.result_checks import UntrustworthyResultError
@@ -66,6 +67,32 @@ def test_a_server_without_the_batch_api_is_a_judge_endpoint_error_with_the_key_r
     assert evaluate_main(["--config", str(config_file), "--no_progress"]) == 1  # "the endpoint refused": exit 1
     stderr = capsys.readouterr().err
     assert stderr.startswith("error: judge batch:") and "HTTP 404" in stderr and API_KEY not in stderr
+
+
+# ---------------------------------------------------------------- 8. files split by bytes too
+def test_batch_files_are_split_by_bytes_and_a_request_over_the_limit_stops_before_any_upload(fake_server, make_config):
+    server = fake_server("sensible")
+    limit = 4_000  # a request line of this eval set is about 900 bytes
+    cfg = make_config(server, judge={**BATCH, "batch_max_bytes": limit}, pairings=["policy_vs_reference"])
+    report = run_evaluation(cfg)
+    sizes = [len(server.batch_api.files[f]) for f in server.batch_api.uploads]
+    assert len(sizes) == 5 and max(sizes) <= limit  # 20 requests, 4 to a file
+    assert sum(_rows_of(server, i) for i in range(5)) == 20
+    assert report.pairings["policy_vs_reference"].win_rate == 0.7
+
+    too_small = make_config(server, out="small", judge={**BATCH, "batch_max_bytes": 500}, pairings=["sft_vs_reference"])
+    with pytest.raises(ConfigError) as err:
+        run_evaluation(too_small)
+    assert "judge.batch_max_bytes: 500" in str(err.value) and "bytes" in str(err.value)
+    assert len(server.batch_api.uploads) == 5  # nothing more uploaded
+
+
+def test_batch_max_bytes_above_openais_file_limit_is_a_config_error():
+    with pytest.raises(ConfigError) as err:
+        build_eval_config(
+            {"prompts": "p.jsonl", "judge": {"model": "m", "mode": "batch", "batch_max_bytes": 300_000_000}}
+        )
+    assert "judge.batch_max_bytes" in str(err.value) and "200000000" in str(err.value)
 
 
 # ---------------------------------------------------------------- 9. output the judge cannot read

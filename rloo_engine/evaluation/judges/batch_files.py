@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,23 @@ def request_line(cid: str, body: dict[str, Any]) -> bytes:
     """One line of the file to upload, newline included (its length counts toward the file's size)."""
     line = {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}
     return (json.dumps(line, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def split_into_files(sizes: Sequence[int], max_rows: int, max_bytes: int) -> list[range]:
+    """Consecutive runs of the lines of `sizes` (bytes each), every run at most `max_rows` lines and
+    `max_bytes` bytes: the batch files to upload. A line larger than `max_bytes` alone raises ValueError."""
+    files: list[range] = []
+    start, total = 0, 0
+    for i, size in enumerate(sizes):
+        if size > max_bytes:
+            raise ValueError(f"line {i} is {size} bytes, more than the {max_bytes} a file may hold")
+        if i - start == max_rows or total + size > max_bytes:
+            files.append(range(start, i))
+            start, total = i, 0
+        total += size
+    if start < len(sizes):
+        files.append(range(start, len(sizes)))
+    return files
 
 
 @dataclass

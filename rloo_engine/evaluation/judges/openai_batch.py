@@ -35,9 +35,9 @@ import openai
 from rloo_engine.evaluation.budget import SpendTracker
 from rloo_engine.evaluation.cache import JudgmentCache
 from rloo_engine.evaluation.config import JudgeConfig
-from rloo_engine.evaluation.errors import EvaluationError, JudgeEndpointError, redact
+from rloo_engine.evaluation.errors import ConfigError, EvaluationError, JudgeEndpointError, redact
 from rloo_engine.evaluation.judges.base import Judgment, OnJudgment, SlotPair
-from rloo_engine.evaluation.judges.batch_files import BatchResults, custom_id, request_line
+from rloo_engine.evaluation.judges.batch_files import BatchResults, custom_id, request_line, split_into_files
 from rloo_engine.evaluation.judges.openai_judge import OpenAIJudge, _reply_text
 from rloo_engine.evaluation.retry import FATAL_STATUS, RETRYABLE_STATUS, retry_after_seconds
 from rloo_engine.evaluation.templates import JudgeTemplate
@@ -62,7 +62,7 @@ class OpenAIBatchJudge(OpenAIJudge):
         self.store = store
         self.poll_initial_s, self.poll_max_s = cfg.batch_poll_initial_s, cfg.batch_poll_max_s
         self.completion_window = cfg.batch_completion_window
-        self.max_rows = cfg.batch_max_requests
+        self.max_rows, self.max_bytes = cfg.batch_max_requests, cfg.batch_max_bytes
         self.unfinished = cfg.batch_unfinished
         # Submissions are looked up per judge identity (the mode is not part of it: same verdicts).
         self.judge_key = hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:16]
@@ -85,6 +85,8 @@ class OpenAIBatchJudge(OpenAIJudge):
         index = {cid: i for i, cid in enumerate(ids)}
         if len(index) != len(ids):
             raise ValueError("OpenAIBatchJudge.judge: the same request twice; pairs must be unique")
+        lines = [request_line(cid, self._body(m)) for cid, m in zip(ids, messages, strict=True)]
+        self._check_line_sizes(lines)
         results: list[Judgment | None] = [None] * len(pairs)
         leftovers: list[int] = []
 
@@ -99,9 +101,12 @@ class OpenAIBatchJudge(OpenAIJudge):
         batches = await self._resume(index)
         claimed = {cid for _, _, mine in batches for cid in mine}
         todo = [cid for cid in ids if cid not in claimed]
-        for start in range(0, len(todo), self.max_rows):
-            chunk = todo[start : start + self.max_rows]
-            token, batch_id, reservation = await self._submit(chunk, [messages[index[c]] for c in chunk])
+        for file in split_into_files([len(lines[index[c]]) for c in todo], self.max_rows, self.max_bytes):
+            chunk = [todo[k] for k in file]
+            rows = [index[c] for c in chunk]
+            token, batch_id, reservation = await self._submit(
+                chunk, [lines[i] for i in rows], [messages[i] for i in rows]
+            )
             batches.append((token, batch_id, chunk))
             self.spend.release(reservation)  # the rows' real usage is recorded as they are collected
         for token, batch_id, mine in batches:
@@ -154,8 +159,19 @@ class OpenAIBatchJudge(OpenAIJudge):
             resumed.append((sub["token"], batch_id, mine))
         return resumed
 
-    async def _submit(self, chunk: list[str], messages: list[list[dict[str, str]]]) -> tuple[str, str, float]:
-        lines = [request_line(cid, self._body(m)) for cid, m in zip(chunk, messages, strict=True)]
+    def _check_line_sizes(self, lines: list[bytes]) -> None:
+        """Refuses, before anything is uploaded, a request no batch file could hold."""
+        largest = max(lines, key=len, default=b"")
+        if len(largest) > self.max_bytes:
+            raise ConfigError(
+                f"judge.batch_max_bytes: {self.max_bytes}; the request of one judgment is {len(largest)} bytes, and a "
+                "batch file must hold at least one. Raise batch_max_bytes (OpenAI accepts files up to 200 MB) or "
+                "shorten the prompts (or judge with mode: live)"
+            )
+
+    async def _submit(
+        self, chunk: list[str], lines: list[bytes], messages: list[list[dict[str, str]]]
+    ) -> tuple[str, str, float]:
         prompt_chars = sum(len(part["content"]) for m in messages for part in m)
         reservation = self.spend.reserve(prompt_chars, self.max_tokens, rows=len(chunk), batch=True)
         token = uuid.uuid4().hex  # new per submission, so an old batch of the same rows is never mistaken for it
