@@ -4,13 +4,14 @@ submissions, file sizes, and output the judge cannot read. Each test failed on t
 from __future__ import annotations
 
 import asyncio
+import json
 import traceback
 
 import pytest
 import yaml
 
-from rloo_engine.evaluation import ConfigError, JudgeEndpointError, run_evaluation
-from rloo_engine.evaluation.budget import SpendTracker
+from rloo_engine.evaluation import BudgetExceededError, ConfigError, JudgeEndpointError, run_evaluation
+from rloo_engine.evaluation.budget import Price, SpendTracker
 from rloo_engine.evaluation.cache import JudgmentCache
 from rloo_engine.evaluation.cli import main as evaluate_main
 from rloo_engine.evaluation.config import build_eval_config
@@ -26,6 +27,17 @@ BATCH = {"mode": "batch", "batch_poll_initial_s": 0.01, "batch_poll_max_s": 0.05
 
 def _rows_of(server, batch_index: int) -> int:
     return len(list(server.batch_api.batches.values())[batch_index].rows)
+
+
+def _billed_usd(server, input_per_million: float, output_per_million: float) -> float:
+    """What the fake Batch API's answers would cost at batch prices (half the live ones), from their usage."""
+    tokens = 0.0
+    for batch in server.batch_api.batches.values():
+        if batch.output_file_id:
+            for line in server.batch_api.files[batch.output_file_id].decode().splitlines():
+                usage = json.loads(line)["response"]["body"]["usage"]
+                tokens += usage["prompt_tokens"] * input_per_million + usage["completion_tokens"] * output_per_million
+    return tokens / 1e6 / 2
 
 
 def _chain(err: BaseException | None) -> list[BaseException]:
@@ -67,6 +79,39 @@ def test_a_server_without_the_batch_api_is_a_judge_endpoint_error_with_the_key_r
     assert evaluate_main(["--config", str(config_file), "--no_progress"]) == 1  # "the endpoint refused": exit 1
     stderr = capsys.readouterr().err
     assert stderr.startswith("error: judge batch:") and "HTTP 404" in stderr and API_KEY not in stderr
+
+
+# ---------------------------------------------------------------- 6. the budget across batches
+def test_the_budget_holds_across_batches_and_a_rerun_with_more_budget_submits_only_the_rest(fake_server, make_config):
+    server = fake_server("sensible")
+    prices = {"fake-judge": {"input_per_million": 80.0, "output_per_million": 0.0}}
+    # 20 requests, 2 a batch. The worst case of one batch (~$0.033) fits $0.04, two do not; the fake's token counts
+    # are about a quarter of the worst case, so all ten batches together cost ~$0.085 (as the code before the fix
+    # spent it, submitting every batch against a budget that forgot each reservation once its batch was sent).
+    judge = {**BATCH, "batch_max_requests": 2}
+    cfg = make_config(server, judge=judge, prices=prices, budget_usd=0.04, pairings=["policy_vs_reference"])
+    with pytest.raises(BudgetExceededError) as err:
+        run_evaluation(cfg)
+    assert "a batch of 2 requests" in str(err.value)
+    submitted = server.batch_api.batches_created
+    assert 1 <= submitted < 10 and _billed_usd(server, 80.0, 0.0) <= 0.04
+    with JudgmentCache(cfg.resolved_cache_path()) as cache:
+        assert cache.count() == 2 * submitted  # every submitted batch was collected before the stop
+
+    report = run_evaluation(cfg.model_copy(update={"budget_usd": 1.0}))
+    assert server.batch_api.batches_created == 10 and report.usage.judgments_cached == 2 * submitted
+    assert report.pairings["policy_vs_reference"].win_rate == 0.7
+
+
+def test_a_batch_submitted_by_an_earlier_run_is_held_against_the_budget_though_it_did_not_fit():
+    spend = SpendTracker(Price(80.0, 0.0), budget_usd=0.04, model="fake-judge")
+    held = spend.hold(1800, 256, rows=2, batch=True)  # resumed: billed whatever this run decides
+    assert held == spend.hold(1800, 256, rows=2, batch=True) > 0.02  # two of them: more than the budget, held
+    with pytest.raises(BudgetExceededError):
+        spend.reserve(10, 1, batch=True)  # nothing new fits beside them
+    spend.release(held)
+    spend.release(held)
+    assert spend.reserve(1800, 256, rows=2, batch=True) == held
 
 
 # ---------------------------------------------------------------- 8. files split by bytes too

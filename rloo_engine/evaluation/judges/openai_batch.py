@@ -26,8 +26,9 @@ import json
 import logging
 import math
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import openai
@@ -35,7 +36,7 @@ import openai
 from rloo_engine.evaluation.budget import SpendTracker
 from rloo_engine.evaluation.cache import JudgmentCache
 from rloo_engine.evaluation.config import JudgeConfig
-from rloo_engine.evaluation.errors import ConfigError, EvaluationError, JudgeEndpointError, redact
+from rloo_engine.evaluation.errors import BudgetExceededError, ConfigError, EvaluationError, JudgeEndpointError, redact
 from rloo_engine.evaluation.judges.base import Judgment, OnJudgment, SlotPair
 from rloo_engine.evaluation.judges.batch_files import BatchResults, custom_id, request_line, split_into_files
 from rloo_engine.evaluation.judges.openai_judge import OpenAIJudge, _reply_text
@@ -46,6 +47,17 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 TERMINAL = frozenset({"completed", "expired", "cancelled", "failed"})
 _UNFINISHED = {"batch_expired": "expired", "batch_cancelled": "cancelled"}
+
+
+@dataclass
+class Submission:
+    """A batch this call collects: its cache token, its id, the custom ids it holds that this call needs, and
+    the budget reserved for them until their real cost is known."""
+
+    token: str
+    batch_id: str
+    custom_ids: list[str]
+    reservation: float
 
 
 class OpenAIBatchJudge(OpenAIJudge):
@@ -98,33 +110,25 @@ class OpenAIBatchJudge(OpenAIJudge):
             if on_judgment is not None:
                 on_judgment(i, judgment)
 
-        batches = await self._resume(index)
-        claimed = {cid for _, _, mine in batches for cid in mine}
-        todo = [cid for cid in ids if cid not in claimed]
-        for file in split_into_files([len(lines[index[c]]) for c in todo], self.max_rows, self.max_bytes):
-            chunk = [todo[k] for k in file]
-            rows = [index[c] for c in chunk]
-            token, batch_id, reservation = await self._submit(
-                chunk, [lines[i] for i in rows], [messages[i] for i in rows]
-            )
-            batches.append((token, batch_id, chunk))
-            self.spend.release(reservation)  # the rows' real usage is recorded as they are collected
-        for token, batch_id, mine in batches:
-            batch = await self._wait(batch_id)
-            files = await self._download(batch)
-            for cid in mine:
-                i = index[cid]
-                row = files.rows.get(cid)
-                if row is not None:
-                    done(i, await self._judgment_from_row(row, messages[i], batch.id))
-                elif cid in files.malformed:
-                    self.counts["rows_malformed"] += 1
-                    error = f"batch {batch.id}: malformed line in the output file: {files.malformed[cid]}"
-                    done(i, Judgment("api_error", requests=1, error=error))
-                else:
-                    self.counts["rows_missing"] += 1
-                    done(i, Judgment("api_error", requests=1, error=self._missing_row_error(batch, files)))
-            self.store.batch_collected(token)
+        pending = await self._resume(index, messages)
+        held = {cid for sub in pending for cid in sub.custom_ids}
+        todo = [cid for cid in ids if cid not in held]
+        files = split_into_files([len(lines[index[c]]) for c in todo], self.max_rows, self.max_bytes)
+        queue = deque([todo[k] for k in file] for file in files)
+        # Rounds: submit the batches the budget allows, collect them (their real cost replaces their worst
+        # case), then submit more. Without a budget, or with room for all, that is one round.
+        while pending or queue:
+            budget_stop = await self._submit_while_budget_allows(queue, pending, lines, messages, index)
+            if not pending:
+                assert budget_stop is not None
+                raise budget_stop
+            if budget_stop is not None:
+                log.info(
+                    "batch: %d more batches wait for the budget until these %d are collected", len(queue), len(pending)
+                )
+            for sub in pending:
+                await self._collect(sub, messages, index, done)
+            pending = []
         if leftovers:
             self.counts["rows_judged_live"] += len(leftovers)
             log.info("batch: judging %d unfinished rows live (batch_unfinished: live)", len(leftovers))
@@ -136,9 +140,30 @@ class OpenAIBatchJudge(OpenAIJudge):
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
 
+    async def _collect(
+        self, sub: Submission, messages: list[list[dict[str, str]]], index: dict[str, int], done: OnJudgment
+    ) -> None:
+        """Waits for `sub`'s batch to end and turns each of its rows into a judgment."""
+        batch = await self._wait(sub.batch_id)
+        files = await self._download(batch)
+        self.spend.release(sub.reservation)  # its real cost is in the files: each row's usage is recorded below
+        for cid in sub.custom_ids:
+            i = index[cid]
+            row = files.rows.get(cid)
+            if row is not None:
+                done(i, await self._judgment_from_row(row, messages[i], batch.id))
+            elif cid in files.malformed:
+                self.counts["rows_malformed"] += 1
+                error = f"batch {batch.id}: malformed line in the output file: {files.malformed[cid]}"
+                done(i, Judgment("api_error", requests=1, error=error))
+            else:
+                self.counts["rows_missing"] += 1
+                done(i, Judgment("api_error", requests=1, error=self._missing_row_error(batch, files)))
+        self.store.batch_collected(sub.token)
+
     # ------------------------------------------------------------------ submissions
-    async def _resume(self, index: dict[str, int]) -> list[tuple[str, str, list[str]]]:
-        """(token, batch id, custom ids this call needs) of earlier submissions still to collect."""
+    async def _resume(self, index: dict[str, int], messages: list[list[dict[str, str]]]) -> list[Submission]:
+        """Earlier submissions still to collect that hold rows this call needs."""
         resumed = []
         for sub in self.store.unfinished_batches(self.judge_key):
             batch_id = sub["batch_id"]
@@ -156,8 +181,28 @@ class OpenAIBatchJudge(OpenAIJudge):
             self.counts["batches_resumed"] += 1
             self.counts["rows_resumed"] += len(mine)
             self.batch_ids.append(batch_id)
-            resumed.append((sub["token"], batch_id, mine))
+            prompt_chars = sum(len(part["content"]) for c in mine for part in messages[index[c]])
+            reservation = self.spend.hold(prompt_chars, self.max_tokens, rows=len(mine), batch=True)
+            resumed.append(Submission(sub["token"], batch_id, mine, reservation))
         return resumed
+
+    async def _submit_while_budget_allows(
+        self,
+        queue: deque[list[str]],
+        pending: list[Submission],
+        lines: list[bytes],
+        messages: list[list[dict[str, str]]],
+        index: dict[str, int],
+    ) -> BudgetExceededError | None:
+        """Submits the batches of `queue` in order, onto `pending`, until one does not fit the budget (returned)."""
+        while queue:
+            rows = [index[c] for c in queue[0]]
+            try:
+                pending.append(await self._submit(queue[0], [lines[i] for i in rows], [messages[i] for i in rows]))
+            except BudgetExceededError as err:
+                return err
+            queue.popleft()
+        return None
 
     def _check_line_sizes(self, lines: list[bytes]) -> None:
         """Refuses, before anything is uploaded, a request no batch file could hold."""
@@ -169,9 +214,7 @@ class OpenAIBatchJudge(OpenAIJudge):
                 "shorten the prompts (or judge with mode: live)"
             )
 
-    async def _submit(
-        self, chunk: list[str], lines: list[bytes], messages: list[list[dict[str, str]]]
-    ) -> tuple[str, str, float]:
+    async def _submit(self, chunk: list[str], lines: list[bytes], messages: list[list[dict[str, str]]]) -> Submission:
         prompt_chars = sum(len(part["content"]) for m in messages for part in m)
         reservation = self.spend.reserve(prompt_chars, self.max_tokens, rows=len(chunk), batch=True)
         token = uuid.uuid4().hex  # new per submission, so an old batch of the same rows is never mistaken for it
@@ -195,7 +238,7 @@ class OpenAIBatchJudge(OpenAIJudge):
         self.counts["batches_submitted"] += 1
         self.counts["rows_submitted"] += len(chunk)
         self.batch_ids.append(batch.id)
-        return token, batch.id, reservation
+        return Submission(token, batch.id, chunk, reservation)
 
     async def _find_by_token(self, token: str) -> str | None:
         page = await self._api(lambda: self._client.batches.list(limit=100), "listing batches")
