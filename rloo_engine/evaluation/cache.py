@@ -144,13 +144,17 @@ class JudgmentCache:
 
     # ------------------------------------------------------------------ Batch API submissions
     def unfinished_batches(self, judge: str) -> list[dict[str, Any]]:
-        """Submissions of this judge not yet collected: {token, batch_id (None while submitting), custom_ids}."""
+        """Submissions of this judge not yet collected: {token, batch_id (None while submitting), custom_ids, state,
+        created_at}."""
         rows = self._conn.execute(
-            "SELECT token, batch_id, custom_ids, state FROM batches WHERE judge = ? AND state != 'collected' "
-            "ORDER BY created_at",
+            "SELECT token, batch_id, custom_ids, state, created_at FROM batches WHERE judge = ? "
+            "AND state != 'collected' ORDER BY created_at",
             (judge,),
         )
-        return [{"token": t, "batch_id": b, "custom_ids": json.loads(c), "state": st} for t, b, c, st in rows]
+        return [
+            {"token": t, "batch_id": b, "custom_ids": json.loads(c), "state": st, "created_at": at}
+            for t, b, c, st, at in rows
+        ]
 
     def batch_submitting(self, token: str, judge: str, custom_ids: list[str]) -> None:
         """Recorded before the batch is created, so a crash in between is noticed on resume."""

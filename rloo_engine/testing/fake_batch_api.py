@@ -2,7 +2,8 @@
 
 Speaks what the official client sends: `POST /v1/files` (multipart, purpose `batch`),
 `GET /v1/files/{id}/content`, `POST /v1/batches`, `GET /v1/batches/{id}`, `GET /v1/batches`
-(with `metadata`) and `POST /v1/batches/{id}/cancel`. A batch stays `in_progress` for
+(with `metadata`; paginated like OpenAI's: newest first, `limit` (default 20, at most 100), `after`,
+`has_more`) and `POST /v1/batches/{id}/cancel`. A batch stays `in_progress` for
 `polls_to_finish` retrieves (or while `hold` is set), then answers every row with the `reply` callable it
 was given (the server passes its chat behaviour): 200 replies go to the output file, others to the error
 file. Failure modes, each off by default:
@@ -27,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qs
 
 # A chat-completions request body -> (HTTP status, response body), as the live endpoint would answer it.
 ReplyFn = Callable[[dict[str, Any]], tuple[int, Any]]
@@ -90,7 +92,8 @@ class FakeBatchAPI:
             return len(self.batches)
 
     def respond(self, method: str, path: str, raw: bytes, headers: dict[str, str]) -> tuple[int, Any, dict[str, str]]:
-        path = path.split("?", 1)[0].removeprefix("/v1")
+        path, _, query = path.partition("?")
+        path = path.removeprefix("/v1")
         with self._lock:
             self.calls.append((method, path))
             if self.refuse_status is not None:
@@ -106,8 +109,7 @@ class FakeBatchAPI:
             if method == "POST" and path == "/batches":
                 return self._create(json.loads(raw))
             if method == "GET" and path == "/batches":
-                data = [b.to_json() for b in reversed(list(self.batches.values()))]
-                return 200, {"object": "list", "data": data, "has_more": False}, {}
+                return self._list(parse_qs(query))
             if m := re.fullmatch(r"/batches/([^/]+)(/cancel)?", path):
                 batch = self.batches.get(m.group(1))
                 if batch is None:
@@ -120,6 +122,32 @@ class FakeBatchAPI:
                     self._advance(batch)
                 return 200, batch.to_json(), {}
         return 404, {"error": {"message": f"no route {method} {path}"}}, {}
+
+    def add_finished_batch(self, metadata: dict[str, str] | None = None) -> str:
+        """A completed batch of no rows, as another job on the same account leaves them; its id."""
+        with self._lock:
+            batch = FakeBatch(f"batch_{next(_ids)}", "file-none", dict(metadata or {}), [], status="completed")
+            self.batches[batch.id] = batch
+            return batch.id
+
+    def _list(self, params: dict[str, list[str]]) -> tuple[int, Any, dict[str, str]]:
+        newest_first = list(reversed(self.batches.values()))
+        limit = min(int(params.get("limit", ["20"])[0]), 100)
+        start = 0
+        if "after" in params:
+            ids = [b.id for b in newest_first]
+            if params["after"][0] not in ids:
+                return 400, {"error": {"message": f"no batch {params['after'][0]} to list after"}}, {}
+            start = ids.index(params["after"][0]) + 1
+        page = newest_first[start : start + limit]
+        body = {
+            "object": "list",
+            "data": [b.to_json() for b in page],
+            "first_id": page[0].id if page else None,
+            "last_id": page[-1].id if page else None,
+            "has_more": start + limit < len(newest_first),
+        }
+        return 200, body, {}
 
     def _upload(self, raw: bytes, content_type: str) -> tuple[int, Any, dict[str, str]]:
         boundary = re.search(r"boundary=\"?([^\";]+)", content_type)

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import traceback
+from contextlib import closing
 
+import openai
 import pytest
 import yaml
 
@@ -112,6 +115,39 @@ def test_a_batch_submitted_by_an_earlier_run_is_held_against_the_budget_though_i
     spend.release(held)
     spend.release(held)
     assert spend.reserve(1800, 256, rows=2, batch=True) == held
+
+
+# ---------------------------------------------------------------- 7. never submitted twice
+def test_a_run_killed_before_it_recorded_its_batch_id_finds_the_batch_behind_150_newer_ones(fake_server, make_config):
+    server = fake_server("sensible")
+    server.batch_api.expire_after_rows = 0  # first run: every row expires, so its requests are there to submit again
+    cfg = make_config(server, judge=BATCH, pairings=["policy_vs_reference"])
+    with pytest.raises(UntrustworthyResultError):
+        run_evaluation(cfg)
+    server.batch_api.expire_after_rows = None
+    # The state of a run killed between creating its batch and recording the batch id ...
+    with closing(sqlite3.connect(cfg.resolved_cache_path())) as db:
+        [token] = db.execute("SELECT token FROM batches").fetchone()
+        db.execute("UPDATE batches SET batch_id = NULL, state = 'submitting'")
+        db.commit()
+    rows = list(server.batch_api.batches.values())[0].rows
+    client = openai.OpenAI(base_url=server.base_url, api_key=API_KEY)
+    upload = client.files.create(
+        file=("b.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode()), purpose="batch"
+    )
+    created = client.batches.create(
+        input_file_id=upload.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"rloo_token": token},
+    )
+    # ... after which other jobs on the account created 150 batches: the list's first page (100) is all theirs.
+    for _ in range(150):
+        server.batch_api.add_finished_batch({"job": "someone else's"})
+    report = run_evaluation(cfg)
+    assert server.batch_api.batches_created == 2 + 150  # the expired one, the one found by its token; no other
+    assert report.judge["batch"]["batch_ids"] == [created.id]
+    assert report.pairings["policy_vs_reference"].win_rate == 0.7
 
 
 # ---------------------------------------------------------------- 8. files split by bytes too

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 TERMINAL = frozenset({"completed", "expired", "cancelled", "failed"})
 _UNFINISHED = {"batch_expired": "expired", "batch_cancelled": "cancelled"}
+_CLOCK_SKEW_S = 3600.0  # how far OpenAI's clock (a batch's created_at) may be behind ours, with room to spare
 
 
 @dataclass
@@ -168,7 +169,7 @@ class OpenAIBatchJudge(OpenAIJudge):
         for sub in self.store.unfinished_batches(self.judge_key):
             batch_id = sub["batch_id"]
             if batch_id is None:  # killed between recording the submission and learning the batch id
-                batch_id = await self._find_by_token(sub["token"])
+                batch_id = await self._find_by_token(sub["token"], sub["created_at"])
                 if batch_id is None:
                     self.store.batch_forget(sub["token"])  # never created: its rows are submitted afresh
                     continue
@@ -240,12 +241,21 @@ class OpenAIBatchJudge(OpenAIJudge):
         self.batch_ids.append(batch.id)
         return Submission(token, batch.id, chunk, reservation)
 
-    async def _find_by_token(self, token: str) -> str | None:
+    async def _find_by_token(self, token: str, recorded_at: float) -> str | None:
+        """The id of the batch created with metadata `token`, or None. The account's batches are read newest
+        first, page after page, down to those older than the submission's record (by more than any clock skew):
+        one of those cannot be it."""
+        oldest = recorded_at - _CLOCK_SKEW_S
         page = await self._api(lambda: self._client.batches.list(limit=100), "listing batches")
-        for batch in page.data:
-            if (batch.metadata or {}).get("rloo_token") == token:
-                return batch.id
-        return None
+        while True:
+            for batch in page.data:
+                if (batch.metadata or {}).get("rloo_token") == token:
+                    return batch.id
+                if batch.created_at < oldest:
+                    return None
+            if not page.has_next_page():
+                return None
+            page = await self._api(page.get_next_page, "listing batches")
 
     async def _wait(self, batch_id: str) -> Any:
         delay = self.poll_initial_s
