@@ -1,53 +1,60 @@
 """The openai judge through the OpenAI Batch API (`judge.mode: batch`): half price, its own rate limits,
 results within the completion window (24 h).
 
-1. Each judge call becomes one line of a JSONL file, `{"custom_id", "method": "POST", "url":
-   "/v1/chat/completions", "body"}`; the custom id is a hash of the request body, so the same
-   judgment has the same id in every run.
-2. Before anything is uploaded, the budget reserves the worst case of every row at batch prices.
+1. Each judge call becomes one line of a JSONL file (batch_files.py); the lines are cut into files of
+   at most `batch_max_requests` lines and `batch_max_bytes` bytes.
+2. Before a file is uploaded, the budget reserves the worst case of its rows at batch prices, and keeps
+   it until the batch's results are downloaded. The batches that fit are submitted and collected, then
+   the next ones (rounds); when nothing is in flight and the next batch does not fit, the run stops.
 3. The submission is recorded in the cache's `batches` table *before* the batch is created (state
    `submitting`, with a token that is also the batch's metadata) and again after (`open`, with the
    batch id). A rerun after a crash or cancel finds the open batch and polls it; a run killed between
    the two writes finds its batch by the metadata token. The same requests are never submitted twice.
 4. Polls back off from `batch_poll_initial_s` to `batch_poll_max_s` until the batch ends
    (completed, expired, cancelled or failed), then the output and error files are downloaded and
-   mapped back by custom id.
+   mapped back by custom id (batch_api.py).
 5. Every row is accounted for: a 200 reply is parsed like a live one (a reply that does not parse
-   is re-asked once, live); an expired, cancelled or failed row, or one with no result at all, is an
-   `api_error` that is not cached, so the next run re-submits it, or, with `batch_unfinished: live`,
-   it is judged live at once.
+   is re-asked once, live); an expired, cancelled or failed row, a malformed line, or a row with no
+   result at all, is an `api_error` that is not cached, so the next run re-submits it, or, with
+   `batch_unfinished: live`, it is judged live at once.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
 import math
 import uuid
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
-
-import openai
+from typing import Any
 
 from rloo_engine.evaluation.budget import SpendTracker
 from rloo_engine.evaluation.cache import JudgmentCache
 from rloo_engine.evaluation.config import JudgeConfig
-from rloo_engine.evaluation.errors import BudgetExceededError, ConfigError, EvaluationError, JudgeEndpointError, redact
+from rloo_engine.evaluation.errors import BudgetExceededError, ConfigError, redact
 from rloo_engine.evaluation.judges.base import Judgment, OnJudgment, SlotPair
+from rloo_engine.evaluation.judges.batch_api import BatchAPIClient
 from rloo_engine.evaluation.judges.batch_files import BatchResults, custom_id, request_line, split_into_files
 from rloo_engine.evaluation.judges.openai_judge import OpenAIJudge, _reply_text
-from rloo_engine.evaluation.retry import FATAL_STATUS, RETRYABLE_STATUS, retry_after_seconds
 from rloo_engine.evaluation.templates import JudgeTemplate
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-TERMINAL = frozenset({"completed", "expired", "cancelled", "failed"})
 _UNFINISHED = {"batch_expired": "expired", "batch_cancelled": "cancelled"}
-_CLOCK_SKEW_S = 3600.0  # how far OpenAI's clock (a batch's created_at) may be behind ours, with room to spare
+
+
+@dataclass
+class Requests:
+    """The requests of one `judge` call: chat messages and request lines, by position and by custom id."""
+
+    messages: list[list[dict[str, str]]]
+    lines: list[bytes]
+    index: dict[str, int]
+
+    def prompt_chars(self, ids: Sequence[str]) -> int:
+        return sum(len(part["content"]) for c in ids for part in self.messages[self.index[c]])
 
 
 @dataclass
@@ -68,12 +75,9 @@ class OpenAIBatchJudge(OpenAIJudge):
         self, cfg: JudgeConfig, template: JudgeTemplate, spend: SpendTracker, api_key: str | None, store: JudgmentCache
     ):
         super().__init__(cfg, template, spend, api_key)
-        # The official client for the Files and Batches calls (few per batch); its retries off, ours count.
-        self._client = openai.AsyncOpenAI(
-            base_url=self.base_url, api_key=api_key or "EMPTY", max_retries=0, timeout=cfg.timeout_s
-        )
+        poll_s = (cfg.batch_poll_initial_s, cfg.batch_poll_max_s)
+        self.api = BatchAPIClient(self.base_url, api_key, cfg.timeout_s, self.retry, poll_s, self._fatal_message)
         self.store = store
-        self.poll_initial_s, self.poll_max_s = cfg.batch_poll_initial_s, cfg.batch_poll_max_s
         self.completion_window = cfg.batch_completion_window
         self.max_rows, self.max_bytes = cfg.batch_max_requests, cfg.batch_max_bytes
         self.unfinished = cfg.batch_unfinished
@@ -87,19 +91,13 @@ class OpenAIBatchJudge(OpenAIJudge):
 
     async def aclose(self) -> None:
         await super().aclose()
-        await self._client.close()
+        await self.api.close()
 
     def run_info(self) -> dict[str, Any]:
         return {"mode": "batch", "batch_ids": list(self.batch_ids), "rows": dict(sorted(self.counts.items()))}
 
     async def judge(self, pairs: Sequence[SlotPair], on_judgment: OnJudgment | None = None) -> list[Judgment]:
-        messages = [self.template.render(p.prompt, p.answer_a, p.answer_b) for p in pairs]
-        ids = [custom_id(self._body(m)) for m in messages]
-        index = {cid: i for i, cid in enumerate(ids)}
-        if len(index) != len(ids):
-            raise ValueError("OpenAIBatchJudge.judge: the same request twice; pairs must be unique")
-        lines = [request_line(cid, self._body(m)) for cid, m in zip(ids, messages, strict=True)]
-        self._check_line_sizes(lines)
+        reqs = self._requests(pairs)
         results: list[Judgment | None] = [None] * len(pairs)
         leftovers: list[int] = []
 
@@ -111,24 +109,22 @@ class OpenAIBatchJudge(OpenAIJudge):
             if on_judgment is not None:
                 on_judgment(i, judgment)
 
-        pending = await self._resume(index, messages)
+        pending = await self._resume(reqs)
         held = {cid for sub in pending for cid in sub.custom_ids}
-        todo = [cid for cid in ids if cid not in held]
-        files = split_into_files([len(lines[index[c]]) for c in todo], self.max_rows, self.max_bytes)
+        todo = [cid for cid in reqs.index if cid not in held]
+        files = split_into_files([len(reqs.lines[reqs.index[c]]) for c in todo], self.max_rows, self.max_bytes)
         queue = deque([todo[k] for k in file] for file in files)
         # Rounds: submit the batches the budget allows, collect them (their real cost replaces their worst
         # case), then submit more. Without a budget, or with room for all, that is one round.
         while pending or queue:
-            budget_stop = await self._submit_while_budget_allows(queue, pending, lines, messages, index)
+            budget_stop = await self._submit_while_budget_allows(queue, reqs, pending)
             if not pending:
                 assert budget_stop is not None
                 raise budget_stop
             if budget_stop is not None:
-                log.info(
-                    "batch: %d more batches wait for the budget until these %d are collected", len(queue), len(pending)
-                )
+                log.info("batch: %d more batches wait for the budget until these %d end", len(queue), len(pending))
             for sub in pending:
-                await self._collect(sub, messages, index, done)
+                await self._collect(sub, reqs, done)
             pending = []
         if leftovers:
             self.counts["rows_judged_live"] += len(leftovers)
@@ -141,18 +137,32 @@ class OpenAIBatchJudge(OpenAIJudge):
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
 
-    async def _collect(
-        self, sub: Submission, messages: list[list[dict[str, str]]], index: dict[str, int], done: OnJudgment
-    ) -> None:
+    def _requests(self, pairs: Sequence[SlotPair]) -> Requests:
+        messages = [self.template.render(p.prompt, p.answer_a, p.answer_b) for p in pairs]
+        ids = [custom_id(self._body(m)) for m in messages]
+        index = {cid: i for i, cid in enumerate(ids)}
+        if len(index) != len(ids):
+            raise ValueError("OpenAIBatchJudge.judge: the same request twice; pairs must be unique")
+        lines = [request_line(cid, self._body(m)) for cid, m in zip(ids, messages, strict=True)]
+        largest = max(map(len, lines), default=0)
+        if largest > self.max_bytes:  # refused before anything is uploaded
+            raise ConfigError(
+                f"judge.batch_max_bytes: {self.max_bytes}; the request of one judgment is {largest} bytes, and a "
+                "batch file must hold at least one. Raise batch_max_bytes (OpenAI accepts files up to 200 MB) or "
+                "shorten the prompts (or judge with mode: live)"
+            )
+        return Requests(messages, lines, index)
+
+    async def _collect(self, sub: Submission, reqs: Requests, done: OnJudgment) -> None:
         """Waits for `sub`'s batch to end and turns each of its rows into a judgment."""
-        batch = await self._wait(sub.batch_id)
-        files = await self._download(batch)
+        batch = await self.api.wait(sub.batch_id)
+        files = await self.api.download(batch)
         self.spend.release(sub.reservation)  # its real cost is in the files: each row's usage is recorded below
         for cid in sub.custom_ids:
-            i = index[cid]
+            i = reqs.index[cid]
             row = files.rows.get(cid)
             if row is not None:
-                done(i, await self._judgment_from_row(row, messages[i], batch.id))
+                done(i, await self._judgment_from_row(row, reqs.messages[i], batch.id))
             elif cid in files.malformed:
                 self.counts["rows_malformed"] += 1
                 error = f"batch {batch.id}: malformed line in the output file: {files.malformed[cid]}"
@@ -162,19 +172,26 @@ class OpenAIBatchJudge(OpenAIJudge):
                 done(i, Judgment("api_error", requests=1, error=self._missing_row_error(batch, files)))
         self.store.batch_collected(sub.token)
 
+    def _missing_row_error(self, batch: Any, files: BatchResults) -> str:
+        detail = self.api.batch_errors(batch) or "the batch ended without a result for this row"
+        if files.unreadable_lines:
+            detail += f" ({files.unreadable_lines} lines of its files could not be read)"
+        return f"batch {batch.id} ({batch.status}): {detail}"
+
     # ------------------------------------------------------------------ submissions
-    async def _resume(self, index: dict[str, int], messages: list[list[dict[str, str]]]) -> list[Submission]:
-        """Earlier submissions still to collect that hold rows this call needs."""
+    async def _resume(self, reqs: Requests) -> list[Submission]:
+        """Earlier submissions still to collect that hold rows this call needs, each held against the budget (it is
+        billed whatever this run decides)."""
         resumed = []
         for sub in self.store.unfinished_batches(self.judge_key):
             batch_id = sub["batch_id"]
             if batch_id is None:  # killed between recording the submission and learning the batch id
-                batch_id = await self._find_by_token(sub["token"], sub["created_at"])
+                batch_id = await self.api.find_by_token(sub["token"], sub["created_at"])
                 if batch_id is None:
                     self.store.batch_forget(sub["token"])  # never created: its rows are submitted afresh
                     continue
                 self.store.batch_submitted(sub["token"], batch_id, None)
-            mine = [c for c in sub["custom_ids"] if c in index]
+            mine = [c for c in sub["custom_ids"] if c in reqs.index]
             if not mine:  # everything it holds is judged already (collected before a crash)
                 self.store.batch_collected(sub["token"])
                 continue
@@ -182,107 +199,34 @@ class OpenAIBatchJudge(OpenAIJudge):
             self.counts["batches_resumed"] += 1
             self.counts["rows_resumed"] += len(mine)
             self.batch_ids.append(batch_id)
-            prompt_chars = sum(len(part["content"]) for c in mine for part in messages[index[c]])
-            reservation = self.spend.hold(prompt_chars, self.max_tokens, rows=len(mine), batch=True)
+            reservation = self.spend.hold(reqs.prompt_chars(mine), self.max_tokens, rows=len(mine), batch=True)
             resumed.append(Submission(sub["token"], batch_id, mine, reservation))
         return resumed
 
     async def _submit_while_budget_allows(
-        self,
-        queue: deque[list[str]],
-        pending: list[Submission],
-        lines: list[bytes],
-        messages: list[list[dict[str, str]]],
-        index: dict[str, int],
+        self, queue: deque[list[str]], reqs: Requests, pending: list[Submission]
     ) -> BudgetExceededError | None:
         """Submits the batches of `queue` in order, onto `pending`, until one does not fit the budget (returned)."""
         while queue:
-            rows = [index[c] for c in queue[0]]
             try:
-                pending.append(await self._submit(queue[0], [lines[i] for i in rows], [messages[i] for i in rows]))
+                pending.append(await self._submit(queue[0], reqs))
             except BudgetExceededError as err:
                 return err
             queue.popleft()
         return None
 
-    def _check_line_sizes(self, lines: list[bytes]) -> None:
-        """Refuses, before anything is uploaded, a request no batch file could hold."""
-        largest = max(lines, key=len, default=b"")
-        if len(largest) > self.max_bytes:
-            raise ConfigError(
-                f"judge.batch_max_bytes: {self.max_bytes}; the request of one judgment is {len(largest)} bytes, and a "
-                "batch file must hold at least one. Raise batch_max_bytes (OpenAI accepts files up to 200 MB) or "
-                "shorten the prompts (or judge with mode: live)"
-            )
-
-    async def _submit(self, chunk: list[str], lines: list[bytes], messages: list[list[dict[str, str]]]) -> Submission:
-        prompt_chars = sum(len(part["content"]) for m in messages for part in m)
-        reservation = self.spend.reserve(prompt_chars, self.max_tokens, rows=len(chunk), batch=True)
+    async def _submit(self, chunk: list[str], reqs: Requests) -> Submission:
+        reservation = self.spend.reserve(reqs.prompt_chars(chunk), self.max_tokens, rows=len(chunk), batch=True)
         token = uuid.uuid4().hex  # new per submission, so an old batch of the same rows is never mistaken for it
         self.store.batch_submitting(token, self.judge_key, chunk)
-        data = b"".join(lines)
-        file = await self._api(
-            lambda: self._client.files.create(file=("judge_batch.jsonl", data, "application/jsonl"), purpose="batch"),
-            "uploading the batch file",
-        )
-        batch = await self._api(
-            lambda: self._client.batches.create(
-                input_file_id=file.id,
-                endpoint="/v1/chat/completions",
-                completion_window=self.completion_window,
-                metadata={"rloo_token": token},
-            ),
-            "creating the batch",
-        )
-        self.store.batch_submitted(token, batch.id, file.id)
-        log.info("batch %s: submitted %d requests (file %s)", batch.id, len(chunk), file.id)
+        file_id = await self.api.upload(b"".join(reqs.lines[reqs.index[c]] for c in chunk))
+        batch_id = await self.api.create(file_id, self.completion_window, token)
+        self.store.batch_submitted(token, batch_id, file_id)
+        log.info("batch %s: submitted %d requests (file %s)", batch_id, len(chunk), file_id)
         self.counts["batches_submitted"] += 1
         self.counts["rows_submitted"] += len(chunk)
-        self.batch_ids.append(batch.id)
-        return Submission(token, batch.id, chunk, reservation)
-
-    async def _find_by_token(self, token: str, recorded_at: float) -> str | None:
-        """The id of the batch created with metadata `token`, or None. The account's batches are read newest
-        first, page after page, down to those older than the submission's record (by more than any clock skew):
-        one of those cannot be it."""
-        oldest = recorded_at - _CLOCK_SKEW_S
-        page = await self._api(lambda: self._client.batches.list(limit=100), "listing batches")
-        while True:
-            for batch in page.data:
-                if (batch.metadata or {}).get("rloo_token") == token:
-                    return batch.id
-                if batch.created_at < oldest:
-                    return None
-            if not page.has_next_page():
-                return None
-            page = await self._api(page.get_next_page, "listing batches")
-
-    async def _wait(self, batch_id: str) -> Any:
-        delay = self.poll_initial_s
-        while True:
-            batch = await self._api(lambda: self._client.batches.retrieve(batch_id), f"polling batch {batch_id}")
-            if batch.status in TERMINAL:
-                log.info("batch %s: %s", batch_id, batch.status)
-                return batch
-            counts = batch.request_counts
-            progress = f"{counts.completed + counts.failed}/{counts.total} rows" if counts else "no counts yet"
-            log.info("batch %s: %s (%s); next poll in %.0f s", batch_id, batch.status, progress, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self.poll_max_s)
-
-    async def _download(self, batch: Any) -> BatchResults:
-        results = BatchResults()
-        for file_id in (batch.output_file_id, batch.error_file_id):
-            if file_id:
-                content = await self._api(lambda f=file_id: self._client.files.content(f), f"downloading {file_id}")
-                results.add_file(redact(content.text, self._secret))
-        return results
-
-    def _missing_row_error(self, batch: Any, results: BatchResults) -> str:
-        detail = redact(_batch_errors(batch), self._secret)[:300] or "the batch ended without a result for this row"
-        if results.unreadable_lines:
-            detail += f" ({results.unreadable_lines} lines of its files could not be read)"
-        return f"batch {batch.id} ({batch.status}): {detail}"
+        self.batch_ids.append(batch_id)
+        return Submission(token, batch_id, chunk, reservation)
 
     # ------------------------------------------------------------------ rows to judgments
     async def _judgment_from_row(self, row: dict[str, Any], messages: list[dict[str, str]], batch_id: str) -> Judgment:
@@ -324,49 +268,6 @@ class OpenAIBatchJudge(OpenAIJudge):
         if len(judgment.raw_texts) > reasks_before + 1:
             self.counts["rows_reasked_live"] += 1
         return judgment
-
-    # ------------------------------------------------------------------ Files / Batches calls
-    async def _api(self, call: Callable[[], Awaitable[T]], what: str) -> T:
-        """One Files/Batches call with the judge's retry policy; 401/403/404 raise JudgeEndpointError."""
-        error, refused = "", None
-        for attempt in range(1, self.retry.max_attempts + 1):
-            retry_after = None
-            try:
-                return await call()
-            except openai.APIStatusError as err:
-                if err.status_code in FATAL_STATUS:
-                    refused = self._refused_message(what, err.status_code, str(err.message))
-                    break  # raised below, outside `except`: the client's error (it quotes the body) is not chained
-                error = f"HTTP {err.status_code}: {redact(str(err.message), self._secret)[:300]}"
-                if err.status_code not in RETRYABLE_STATUS:
-                    break
-                retry_after = retry_after_seconds(err.response.headers)
-            except openai.APIConnectionError as err:  # timeouts included
-                error = f"connection error: {redact(str(err), self._secret)[:300]}"
-            if attempt < self.retry.max_attempts:
-                await asyncio.sleep(self.retry.delay(attempt, retry_after))
-        if refused is not None:
-            raise JudgeEndpointError(refused)
-        raise EvaluationError(
-            f"judge batch: {what} at {self.base_url} failed: {error}; submissions are recorded in the cache, so a "
-            "rerun resumes them"
-        )
-
-    def _refused_message(self, what: str, status: int, detail: str) -> str:
-        message = f"judge batch: {what} was refused: {self._fatal_message(status, detail)}"
-        if status == 404:
-            message += (
-                "; a server without the Batch API (e.g. `vllm serve`) answers 404 on /v1/files and /v1/batches: "
-                "use judge.mode: live"
-            )
-        return message
-
-
-def _batch_errors(batch: Any) -> str:
-    """The batch-level errors (e.g. a file that failed validation) as one line; it may quote what was sent."""
-    errors = getattr(batch, "errors", None)
-    data = getattr(errors, "data", None) or []
-    return "; ".join(f"{e.code}: {e.message}" for e in data if e is not None)
 
 
 def _token_count(reported: Any, estimate: int) -> int:
