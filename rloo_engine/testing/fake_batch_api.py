@@ -13,7 +13,9 @@ file. Failure modes, each off by default:
 - `refuse_status=404` answers every Files and Batches request with that status, as a server without
   the Batch API does (`vllm serve`); its body echoes the caller's key, to test redaction;
 - `corrupt_output_rows=k` cuts the first k lines of each output file in half (a line that is not JSON);
-- `fail_batches_with=(code, message)` ends every batch `failed` with that batch-level error and no files.
+- `fail_batches_with=(code, message)` ends every batch `failed` with that batch-level error and no files;
+- `upload_delay_s` answers each upload that much later (a large file on a slow link), without holding up
+  the other requests; `uploads_started` counts uploads as they arrive.
 
 Everything is counted for the tests.
 """
@@ -76,6 +78,8 @@ class FakeBatchAPI:
         self.refuse_status: int | None = None
         self.corrupt_output_rows = 0
         self.fail_batches_with: tuple[str, str] | None = None
+        self.upload_delay_s = 0.0
+        self.uploads_started = 0
         self.files: dict[str, bytes] = {}
         self.uploads: list[str] = []  # ids of files uploaded with purpose "batch"
         self.batches: dict[str, FakeBatch] = {}
@@ -85,6 +89,14 @@ class FakeBatchAPI:
 
     def handles(self, path: str) -> bool:
         return re.match(r"^(/v1)?/(files|batches)", path) is not None
+
+    def delay_s(self, method: str, path: str) -> float:
+        """How long the server waits (asynchronously) before answering this request; called as it arrives."""
+        if method == "POST" and path.partition("?")[0].removeprefix("/v1") == "/files":
+            with self._lock:
+                self.uploads_started += 1
+            return self.upload_delay_s
+        return 0.0
 
     @property
     def batches_created(self) -> int:

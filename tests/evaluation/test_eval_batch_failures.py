@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+import threading
+import time
 import traceback
 from contextlib import closing
 
@@ -118,18 +120,45 @@ def test_a_batch_submitted_by_an_earlier_run_is_held_against_the_budget_though_i
 
 
 # ---------------------------------------------------------------- 7. never submitted twice
-def test_a_run_killed_before_it_recorded_its_batch_id_finds_the_batch_behind_150_newer_ones(fake_server, make_config):
+def test_two_runs_sharing_a_cache_submit_each_request_once(fake_server, make_config, tmp_path):
     server = fake_server("sensible")
-    server.batch_api.expire_after_rows = 0  # first run: every row expires, so its requests are there to submit again
-    cfg = make_config(server, judge=BATCH, pairings=["policy_vs_reference"])
+    server.batch_api.upload_delay_s = 3.0  # the first run is still uploading when the second one starts
+    shared = {"judge": BATCH, "cache_path": str(tmp_path / "shared.sqlite"), "pairings": ["policy_vs_reference"]}
+    outcome: dict = {}
+
+    def first_run() -> None:
+        try:
+            outcome["report"] = run_evaluation(make_config(server, out="first", **shared))
+        except Exception as err:  # shown by the assertion below
+            outcome["error"] = err
+
+    thread = threading.Thread(target=first_run)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while server.batch_api.uploads_started == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    second = run_evaluation(make_config(server, out="second", **shared))
+    thread.join(timeout=60)
+    assert "report" in outcome, outcome
+    assert server.batch_api.uploads_started == 1 and server.batch_api.batches_created == 1
+    [batch_id] = server.batch_api.batches
+    assert outcome["report"].judge["batch"]["batch_ids"] == second.judge["batch"]["batch_ids"] == [batch_id]
+    assert second.judge["batch"]["rows"]["rows_resumed"] == 20  # the second run polled the first run's batch
+    assert outcome["report"].pairings["policy_vs_reference"].win_rate == 0.7
+    assert second.pairings["policy_vs_reference"].win_rate == 0.7
+    with closing(sqlite3.connect(shared["cache_path"])) as db:  # the first run's record was kept, and closed
+        assert db.execute("SELECT batch_id, state FROM batches").fetchall() == [(batch_id, "collected")]
+
+
+def _batch_of_an_interrupted_run(server, cfg, state: str) -> str:
+    """Puts the cache of `cfg` in the state of a run interrupted after creating its batch (a batch with its
+    requests and token exists) and recording it as `state` (`submitting`: no batch id yet, or `open`)."""
+    server.batch_api.expire_after_rows = 0  # a first run whose rows all expire leaves their requests to submit
     with pytest.raises(UntrustworthyResultError):
         run_evaluation(cfg)
     server.batch_api.expire_after_rows = None
-    # The state of a run killed between creating its batch and recording the batch id ...
     with closing(sqlite3.connect(cfg.resolved_cache_path())) as db:
         [token] = db.execute("SELECT token FROM batches").fetchone()
-        db.execute("UPDATE batches SET batch_id = NULL, state = 'submitting'")
-        db.commit()
     rows = list(server.batch_api.batches.values())[0].rows
     client = openai.OpenAI(base_url=server.base_url, api_key=API_KEY)
     upload = client.files.create(
@@ -141,12 +170,33 @@ def test_a_run_killed_before_it_recorded_its_batch_id_finds_the_batch_behind_150
         completion_window="24h",
         metadata={"rloo_token": token},
     )
-    # ... after which other jobs on the account created 150 batches: the list's first page (100) is all theirs.
-    for _ in range(150):
+    with closing(sqlite3.connect(cfg.resolved_cache_path())) as db:
+        batch_id = None if state == "submitting" else created.id
+        db.execute("UPDATE batches SET batch_id = ?, state = ?", (batch_id, state))
+        db.commit()
+    return created.id
+
+
+def test_a_run_killed_before_it_recorded_its_batch_id_finds_the_batch_behind_150_newer_ones(fake_server, make_config):
+    server = fake_server("sensible")
+    cfg = make_config(server, judge=BATCH, pairings=["policy_vs_reference"])
+    created = _batch_of_an_interrupted_run(server, cfg, "submitting")
+    for _ in range(150):  # other jobs on the account since: the list's first page (100) is all theirs
         server.batch_api.add_finished_batch({"job": "someone else's"})
     report = run_evaluation(cfg)
     assert server.batch_api.batches_created == 2 + 150  # the expired one, the one found by its token; no other
-    assert report.judge["batch"]["batch_ids"] == [created.id]
+    assert report.judge["batch"]["batch_ids"] == [created]
+    assert report.pairings["policy_vs_reference"].win_rate == 0.7
+
+
+def test_a_run_needing_none_of_an_open_batchs_rows_leaves_it_for_the_run_that_does(fake_server, make_config):
+    server = fake_server("sensible")
+    cfg = make_config(server, judge=BATCH, pairings=["policy_vs_reference"])
+    created = _batch_of_an_interrupted_run(server, cfg, "open")
+    run_evaluation(make_config(server, judge=BATCH, pairings=["sft_vs_reference"]))  # same judge and cache
+    report = run_evaluation(cfg)
+    assert server.batch_api.batches_created == 3  # the expired one, the open one, sft_vs_reference's; no other
+    assert report.judge["batch"]["batch_ids"] == [created]
     assert report.pairings["policy_vs_reference"].win_rate == 0.7
 
 

@@ -6,10 +6,12 @@ results within the completion window (24 h).
 2. Before a file is uploaded, the budget reserves the worst case of its rows at batch prices, and keeps
    it until the batch's results are downloaded. The batches that fit are submitted and collected, then
    the next ones (rounds); when nothing is in flight and the next batch does not fit, the run stops.
-3. The submission is recorded in the cache's `batches` table *before* the batch is created (state
-   `submitting`, with a token that is also the batch's metadata) and again after (`open`, with the
-   batch id). A rerun after a crash or cancel finds the open batch and polls it; a run killed between
-   the two writes finds its batch by the metadata token. The same requests are never submitted twice.
+3. A submission claims its requests in the cache's `batches` table *before* the batch is created
+   (state `submitting`, with a token that is also the batch's metadata; one transaction, so two runs
+   sharing the cache never claim one request) and is recorded again after (`open`, with the batch id).
+   A rerun after a crash or cancel finds the open batch and polls it. A `submitting` record whose run
+   is alive (its lock is held, submission_locks.py) is waited for; one whose run died is looked up by
+   its token. The same requests are never submitted twice.
 4. Polls back off from `batch_poll_initial_s` to `batch_poll_max_s` until the batch ends
    (completed, expired, cancelled or failed), then the output and error files are downloaded and
    mapped back by custom id (batch_api.py).
@@ -21,12 +23,14 @@ results within the completion window (24 h).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
 import math
+import time
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +43,7 @@ from rloo_engine.evaluation.judges.base import Judgment, OnJudgment, SlotPair
 from rloo_engine.evaluation.judges.batch_api import BatchAPIClient
 from rloo_engine.evaluation.judges.batch_files import BatchResults, custom_id, request_line, split_into_files
 from rloo_engine.evaluation.judges.openai_judge import OpenAIJudge, _reply_text
+from rloo_engine.evaluation.submission_locks import SubmissionLocks
 from rloo_engine.evaluation.templates import JudgeTemplate
 
 log = logging.getLogger(__name__)
@@ -78,6 +83,8 @@ class OpenAIBatchJudge(OpenAIJudge):
         poll_s = (cfg.batch_poll_initial_s, cfg.batch_poll_max_s)
         self.api = BatchAPIClient(self.base_url, api_key, cfg.timeout_s, self.retry, poll_s, self._fatal_message)
         self.store = store
+        self.locks = SubmissionLocks(store.path)
+        self._lock_poll_s = min(cfg.batch_poll_initial_s, 1.0)
         self.completion_window = cfg.batch_completion_window
         self.max_rows, self.max_bytes = cfg.batch_max_requests, cfg.batch_max_bytes
         self.unfinished = cfg.batch_unfinished
@@ -109,23 +116,28 @@ class OpenAIBatchJudge(OpenAIJudge):
             if on_judgment is not None:
                 on_judgment(i, judgment)
 
-        pending = await self._resume(reqs)
-        held = {cid for sub in pending for cid in sub.custom_ids}
-        todo = [cid for cid in reqs.index if cid not in held]
-        files = split_into_files([len(reqs.lines[reqs.index[c]]) for c in todo], self.max_rows, self.max_bytes)
-        queue = deque([todo[k] for k in file] for file in files)
-        # Rounds: submit the batches the budget allows, collect them (their real cost replaces their worst
-        # case), then submit more. Without a budget, or with room for all, that is one round.
-        while pending or queue:
-            budget_stop = await self._submit_while_budget_allows(queue, reqs, pending)
+        # A batch another run collects from now on holds results this call lacks (the runner read the judgment
+        # cache a moment ago): it is read again, not submitted again. Not earlier: an earlier run's batch whose
+        # rows expired is collected, and those rows are to be submitted afresh.
+        started = time.time()
+        remaining = dict.fromkeys(reqs.index)  # custom ids with no judgment yet, in order
+        # Rounds: resume what earlier or other runs submitted, submit the rest as far as the budget allows, collect
+        # it all (real costs replace worst cases), and again with what is left. Usually a single round.
+        while remaining:
+            pending = await self._resume(remaining, reqs, started)
+            held = {cid for sub in pending for cid in sub.custom_ids}
+            free = [cid for cid in remaining if cid not in held]
+            budget_stop = await self._submit_while_budget_allows(free, reqs, pending, started)
             if not pending:
-                assert budget_stop is not None
-                raise budget_stop
+                if budget_stop is not None:
+                    raise budget_stop
+                continue  # another run claimed them since `_resume` looked: the next round finds its batch
             if budget_stop is not None:
-                log.info("batch: %d more batches wait for the budget until these %d end", len(queue), len(pending))
+                log.info("batch: the other requests wait for the budget until these %d batches end", len(pending))
             for sub in pending:
                 await self._collect(sub, reqs, done)
-            pending = []
+                for cid in sub.custom_ids:
+                    remaining.pop(cid, None)
         if leftovers:
             self.counts["rows_judged_live"] += len(leftovers)
             log.info("batch: judging %d unfinished rows live (batch_unfinished: live)", len(leftovers))
@@ -179,23 +191,20 @@ class OpenAIBatchJudge(OpenAIJudge):
         return f"batch {batch.id} ({batch.status}): {detail}"
 
     # ------------------------------------------------------------------ submissions
-    async def _resume(self, reqs: Requests) -> list[Submission]:
-        """Earlier submissions still to collect that hold rows this call needs, each held against the budget (it is
-        billed whatever this run decides)."""
-        resumed = []
-        for sub in self.store.unfinished_batches(self.judge_key):
-            batch_id = sub["batch_id"]
-            if batch_id is None:  # killed between recording the submission and learning the batch id
-                batch_id = await self.api.find_by_token(sub["token"], sub["created_at"])
-                if batch_id is None:
-                    self.store.batch_forget(sub["token"])  # never created: its rows are submitted afresh
-                    continue
-                self.store.batch_submitted(sub["token"], batch_id, None)
-            mine = [c for c in sub["custom_ids"] if c in reqs.index]
-            if not mine:  # everything it holds is judged already (collected before a crash)
-                self.store.batch_collected(sub["token"])
-                continue
-            log.info("batch %s: resuming (submitted by an earlier run, %d rows needed)", batch_id, len(mine))
+    async def _resume(self, remaining: dict[str, None], reqs: Requests, started: float) -> list[Submission]:
+        """Submissions of earlier or other runs holding requests this call still needs, each held against the
+        budget (it is billed whatever this run decides)."""
+        resumed: list[Submission] = []
+        taken: set[str] = set()
+        for sub in self.store.unfinished_batches(self.judge_key, collected_since=started):
+            mine = [c for c in sub["custom_ids"] if c in remaining and c not in taken]
+            if not mine:
+                continue  # nothing this call needs: left as it is for the run that does
+            batch_id = sub["batch_id"] or await self._created_batch_id(sub)
+            if batch_id is None:
+                continue  # never created: its requests are claimed afresh
+            taken.update(mine)
+            log.info("batch %s: resuming (submitted by an earlier or other run, %d rows needed)", batch_id, len(mine))
             self.counts["batches_resumed"] += 1
             self.counts["rows_resumed"] += len(mine)
             self.batch_ids.append(batch_id)
@@ -203,30 +212,57 @@ class OpenAIBatchJudge(OpenAIJudge):
             resumed.append(Submission(sub["token"], batch_id, mine, reservation))
         return resumed
 
+    async def _created_batch_id(self, sub: dict[str, Any]) -> str | None:
+        """The batch id of a submission recorded as `submitting`. While the run making it is alive, waits for it
+        to record the id; if that run died first, looks the batch up by its token. None: never created (the
+        record is dropped)."""
+        token = sub["token"]
+        if self.locks.is_held(token):
+            log.info("batch: another run is submitting %d of these requests; waiting for it", len(sub["custom_ids"]))
+            while self.locks.is_held(token):
+                await asyncio.sleep(self._lock_poll_s)
+        record = self.store.batch_record(token)  # read again: the submitter may have finished meanwhile
+        if record is None or record["batch_id"] is not None:
+            return None if record is None else record["batch_id"]
+        batch_id = await self.api.find_by_token(token, sub["created_at"])
+        if batch_id is None:
+            self.store.batch_forget(token)
+        else:
+            self.store.batch_submitted(token, batch_id, None)
+        self.locks.discard(token)
+        return batch_id
+
     async def _submit_while_budget_allows(
-        self, queue: deque[list[str]], reqs: Requests, pending: list[Submission]
+        self, free: list[str], reqs: Requests, pending: list[Submission], started: float
     ) -> BudgetExceededError | None:
-        """Submits the batches of `queue` in order, onto `pending`, until one does not fit the budget (returned)."""
-        while queue:
+        """Submits `free` in files of at most `max_rows` lines and `max_bytes` bytes, onto `pending`, until one
+        does not fit the budget (returned)."""
+        for file in split_into_files([len(reqs.lines[reqs.index[c]]) for c in free], self.max_rows, self.max_bytes):
             try:
-                pending.append(await self._submit(queue[0], reqs))
+                sub = await self._submit([free[k] for k in file], reqs, started)
             except BudgetExceededError as err:
                 return err
-            queue.popleft()
+            if sub is not None:
+                pending.append(sub)
         return None
 
-    async def _submit(self, chunk: list[str], reqs: Requests) -> Submission:
+    async def _submit(self, chunk: list[str], reqs: Requests, started: float) -> Submission | None:
+        """Claims `chunk` and submits what no other submission holds as one batch; None if that is nothing."""
         reservation = self.spend.reserve(reqs.prompt_chars(chunk), self.max_tokens, rows=len(chunk), batch=True)
         token = uuid.uuid4().hex  # new per submission, so an old batch of the same rows is never mistaken for it
-        self.store.batch_submitting(token, self.judge_key, chunk)
-        file_id = await self.api.upload(b"".join(reqs.lines[reqs.index[c]] for c in chunk))
-        batch_id = await self.api.create(file_id, self.completion_window, token)
-        self.store.batch_submitted(token, batch_id, file_id)
-        log.info("batch %s: submitted %d requests (file %s)", batch_id, len(chunk), file_id)
+        with self.locks.held(token):
+            mine = self.store.batch_claim(token, self.judge_key, chunk, collected_since=started)
+            if not mine:  # another run claimed all of them since this round began
+                self.spend.release(reservation)
+                return None
+            file_id = await self.api.upload(b"".join(reqs.lines[reqs.index[c]] for c in mine))
+            batch_id = await self.api.create(file_id, self.completion_window, token)
+            self.store.batch_submitted(token, batch_id, file_id)
+        log.info("batch %s: submitted %d requests (file %s)", batch_id, len(mine), file_id)
         self.counts["batches_submitted"] += 1
-        self.counts["rows_submitted"] += len(chunk)
+        self.counts["rows_submitted"] += len(mine)
         self.batch_ids.append(batch_id)
-        return Submission(token, batch_id, chunk, reservation)
+        return Submission(token, batch_id, mine, reservation)
 
     # ------------------------------------------------------------------ rows to judgments
     async def _judgment_from_row(self, row: dict[str, Any], messages: list[dict[str, str]], batch_id: str) -> Judgment:
