@@ -4,7 +4,9 @@ Before each request the guard reserves its worst case: the prompt's estimated to
 `max_tokens` of reply. A request starts only if the spend so far, the reservations of requests in
 flight and its own reservation all fit in the budget, so the budget holds even with 32 requests
 in flight. When the reply arrives, the reservation is replaced by the real usage. A Batch API
-submission reserves the worst case of all its rows at batch prices before anything is uploaded.
+submission reserves the worst case of all its rows at batch prices before anything is uploaded, and
+keeps it until the batch's results are downloaded; a batch an earlier run submitted is held the
+same way (without the check: it is billed whatever this run decides).
 """
 
 from __future__ import annotations
@@ -58,8 +60,7 @@ class SpendTracker:
         or raises BudgetExceededError if it might not fit."""
         if self.budget_usd is None or self.price is None:
             return 0.0
-        ratio = self._tokens_per_char * 1.25 if self._tokens_per_char else _INITIAL_TOKENS_PER_CHAR
-        worst = self.price.cost(prompt_chars * ratio + 16 * rows, max_completion_tokens * rows, batch=batch)
+        worst = self._worst_case(prompt_chars, max_completion_tokens, rows, batch)
         spent = self.cost_usd or 0.0
         if spent + self._reserved + worst > self.budget_usd:
             what = f"a batch of {rows} requests" if batch else "the next call"
@@ -71,6 +72,20 @@ class SpendTracker:
             )
         self._reserved += worst
         return worst
+
+    def hold(self, prompt_chars: int, max_completion_tokens: int, rows: int = 1, batch: bool = False) -> float:
+        """Reserves the worst-case cost of requests already sent (a batch submitted by an earlier run), whether it
+        fits or not: they will be billed anyway, and what this run sends next must fit beside them."""
+        if self.budget_usd is None or self.price is None:
+            return 0.0
+        worst = self._worst_case(prompt_chars, max_completion_tokens, rows, batch)
+        self._reserved += worst
+        return worst
+
+    def _worst_case(self, prompt_chars: int, max_completion_tokens: int, rows: int, batch: bool) -> float:
+        assert self.price is not None
+        ratio = self._tokens_per_char * 1.25 if self._tokens_per_char else _INITIAL_TOKENS_PER_CHAR
+        return self.price.cost(prompt_chars * ratio + 16 * rows, max_completion_tokens * rows, batch=batch)
 
     def release(self, reservation: float) -> None:
         self._reserved = max(0.0, self._reserved - reservation)

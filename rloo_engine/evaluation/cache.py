@@ -8,7 +8,8 @@ re-parsed offline. `api_error` judgments are not stored: a rerun should try them
 
 The `batches` table records every OpenAI Batch API submission (`judge.mode: batch`) before and after
 it is created, so a crashed or cancelled run resumes polling the same batch and never submits the
-same requests twice (see judges/openai_batch.py).
+same requests twice (see judges/openai_batch.py). A submission claims its requests in one
+transaction, so two runs sharing the cache cannot both claim one.
 """
 
 from __future__ import annotations
@@ -143,22 +144,45 @@ class JudgmentCache:
         )
 
     # ------------------------------------------------------------------ Batch API submissions
-    def unfinished_batches(self, judge: str) -> list[dict[str, Any]]:
-        """Submissions of this judge not yet collected: {token, batch_id (None while submitting), custom_ids}."""
+    def unfinished_batches(self, judge: str, collected_since: float = float("inf")) -> list[dict[str, Any]]:
+        """Submissions of this judge not yet collected, or collected at or after `collected_since` (by another run,
+        after this one read the judgments): {token, batch_id (None while submitting), custom_ids, state, created_at}."""
         rows = self._conn.execute(
-            "SELECT token, batch_id, custom_ids, state FROM batches WHERE judge = ? AND state != 'collected' "
-            "ORDER BY created_at",
-            (judge,),
+            "SELECT token, batch_id, custom_ids, state, created_at FROM batches WHERE judge = ? "
+            "AND (state != 'collected' OR updated_at >= ?) ORDER BY created_at",
+            (judge, collected_since),
         )
-        return [{"token": t, "batch_id": b, "custom_ids": json.loads(c), "state": st} for t, b, c, st in rows]
+        return [
+            {"token": t, "batch_id": b, "custom_ids": json.loads(c), "state": st, "created_at": at}
+            for t, b, c, st, at in rows
+        ]
 
-    def batch_submitting(self, token: str, judge: str, custom_ids: list[str]) -> None:
-        """Recorded before the batch is created, so a crash in between is noticed on resume."""
-        now = time.time()
-        self._conn.execute(
-            "INSERT OR REPLACE INTO batches VALUES (?,?,?,?,?,?,?,?)",
-            (token, judge, None, None, json.dumps(custom_ids), "submitting", now, now),
-        )
+    def batch_claim(
+        self, token: str, judge: str, custom_ids: list[str], collected_since: float = float("inf")
+    ) -> list[str]:
+        """Records a submission (state `submitting`, before the batch is created, so a crash in between is noticed
+        on resume) of those of `custom_ids` that no submission of `judge` listed by `unfinished_batches` holds,
+        and returns them. One transaction: two runs sharing the cache never claim the same request."""
+        self._conn.execute("BEGIN IMMEDIATE")  # takes the write lock now, so no other claim runs in between
+        try:
+            held = {c for sub in self.unfinished_batches(judge, collected_since) for c in sub["custom_ids"]}
+            free = [c for c in custom_ids if c not in held]
+            if free:
+                now = time.time()
+                self._conn.execute(
+                    "INSERT INTO batches VALUES (?,?,?,?,?,?,?,?)",
+                    (token, judge, None, None, json.dumps(free), "submitting", now, now),
+                )
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+        return free
+
+    def batch_record(self, token: str) -> dict[str, Any] | None:
+        """{batch_id, state} of a submission, or None if it was dropped."""
+        row = self._conn.execute("SELECT batch_id, state FROM batches WHERE token = ?", (token,)).fetchone()
+        return None if row is None else {"batch_id": row[0], "state": row[1]}
 
     def batch_submitted(self, token: str, batch_id: str, input_file_id: str | None) -> None:
         self._conn.execute(

@@ -97,6 +97,13 @@ class JudgeConfig(StrictModel):
         ge=1,
         le=50_000,
     )
+    batch_max_bytes: int = F(
+        190_000_000,
+        "batch: bytes per batch file; OpenAI refuses files over 200 MB, and the default leaves room below that. "
+        "More requests go in several batches; one request larger than this stops the run before any upload.",
+        ge=1,
+        le=200_000_000,
+    )
     batch_unfinished: Literal["count", "live"] = F(
         "count",
         "batch: what happens to rows that expired, failed or were cancelled. `count`: counted as `api_error` and "

@@ -2,11 +2,22 @@
 
 Speaks what the official client sends: `POST /v1/files` (multipart, purpose `batch`),
 `GET /v1/files/{id}/content`, `POST /v1/batches`, `GET /v1/batches/{id}`, `GET /v1/batches`
-(with `metadata`) and `POST /v1/batches/{id}/cancel`. A batch stays `in_progress` for
+(with `metadata`; paginated like OpenAI's: newest first, `limit` (default 20, at most 100), `after`,
+`has_more`) and `POST /v1/batches/{id}/cancel`. A batch stays `in_progress` for
 `polls_to_finish` retrieves (or while `hold` is set), then answers every row with the `reply` callable it
-was given (the server passes its chat behaviour): 200 replies go to the output file, others to the error file. `expire_after_rows=k`
-finishes only the first k rows and ends the batch `expired`, the rest in the error file as
-`batch_expired` (a partial expiry, as OpenAI reports it). Everything is counted for the tests.
+was given (the server passes its chat behaviour): 200 replies go to the output file, others to the error
+file. Failure modes, each off by default:
+
+- `expire_after_rows=k` finishes only the first k rows and ends the batch `expired`, the rest in the
+  error file as `batch_expired` (a partial expiry, as OpenAI reports it);
+- `refuse_status=404` answers every Files and Batches request with that status, as a server without
+  the Batch API does (`vllm serve`); its body echoes the caller's key, to test redaction;
+- `corrupt_output_rows=k` cuts the first k lines of each output file in half (a line that is not JSON);
+- `fail_batches_with=(code, message)` ends every batch `failed` with that batch-level error and no files;
+- `upload_delay_s` answers each upload that much later (a large file on a slow link), without holding up
+  the other requests; `uploads_started` counts uploads as they arrive.
+
+Everything is counted for the tests.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qs
 
 # A chat-completions request body -> (HTTP status, response body), as the live endpoint would answer it.
 ReplyFn = Callable[[dict[str, Any]], tuple[int, Any]]
@@ -36,6 +48,7 @@ class FakeBatch:
     polls: int = 0
     output_file_id: str | None = None
     error_file_id: str | None = None
+    errors: list[dict[str, Any]] | None = None  # batch-level errors (a batch that failed validation)
     created_at: int = field(default_factory=lambda: int(time.time()))
 
     def to_json(self) -> dict[str, Any]:
@@ -51,7 +64,7 @@ class FakeBatch:
             "error_file_id": self.error_file_id,
             "created_at": self.created_at,
             "metadata": self.metadata,
-            "errors": None,
+            "errors": {"object": "list", "data": self.errors} if self.errors else None,
             "request_counts": {"total": len(self.rows), "completed": 0, "failed": 0} if not done else None,
         }
 
@@ -62,6 +75,11 @@ class FakeBatchAPI:
         self.polls_to_finish = polls_to_finish
         self.expire_after_rows = expire_after_rows
         self.hold = False  # while True, batches stay in_progress however often they are polled
+        self.refuse_status: int | None = None
+        self.corrupt_output_rows = 0
+        self.fail_batches_with: tuple[str, str] | None = None
+        self.upload_delay_s = 0.0
+        self.uploads_started = 0
         self.files: dict[str, bytes] = {}
         self.uploads: list[str] = []  # ids of files uploaded with purpose "batch"
         self.batches: dict[str, FakeBatch] = {}
@@ -72,15 +90,28 @@ class FakeBatchAPI:
     def handles(self, path: str) -> bool:
         return re.match(r"^(/v1)?/(files|batches)", path) is not None
 
+    def delay_s(self, method: str, path: str) -> float:
+        """How long the server waits (asynchronously) before answering this request; called as it arrives."""
+        if method == "POST" and path.partition("?")[0].removeprefix("/v1") == "/files":
+            with self._lock:
+                self.uploads_started += 1
+            return self.upload_delay_s
+        return 0.0
+
     @property
     def batches_created(self) -> int:
         with self._lock:
             return len(self.batches)
 
     def respond(self, method: str, path: str, raw: bytes, headers: dict[str, str]) -> tuple[int, Any, dict[str, str]]:
-        path = path.split("?", 1)[0].removeprefix("/v1")
+        path, _, query = path.partition("?")
+        path = path.removeprefix("/v1")
         with self._lock:
             self.calls.append((method, path))
+            if self.refuse_status is not None:
+                key = headers.get("authorization", "").removeprefix("Bearer ")
+                message = f"Not Found: {method} /v1{path} (Authorization: Bearer {key})"
+                return self.refuse_status, {"error": {"message": message, "type": "invalid_request_error"}}, {}
             if method == "POST" and path == "/files":
                 return self._upload(raw, headers.get("content-type", ""))
             if method == "GET" and (m := re.fullmatch(r"/files/([^/]+)/content", path)):
@@ -90,8 +121,7 @@ class FakeBatchAPI:
             if method == "POST" and path == "/batches":
                 return self._create(json.loads(raw))
             if method == "GET" and path == "/batches":
-                data = [b.to_json() for b in reversed(list(self.batches.values()))]
-                return 200, {"object": "list", "data": data, "has_more": False}, {}
+                return self._list(parse_qs(query))
             if m := re.fullmatch(r"/batches/([^/]+)(/cancel)?", path):
                 batch = self.batches.get(m.group(1))
                 if batch is None:
@@ -104,6 +134,32 @@ class FakeBatchAPI:
                     self._advance(batch)
                 return 200, batch.to_json(), {}
         return 404, {"error": {"message": f"no route {method} {path}"}}, {}
+
+    def add_finished_batch(self, metadata: dict[str, str] | None = None) -> str:
+        """A completed batch of no rows, as another job on the same account leaves them; its id."""
+        with self._lock:
+            batch = FakeBatch(f"batch_{next(_ids)}", "file-none", dict(metadata or {}), [], status="completed")
+            self.batches[batch.id] = batch
+            return batch.id
+
+    def _list(self, params: dict[str, list[str]]) -> tuple[int, Any, dict[str, str]]:
+        newest_first = list(reversed(self.batches.values()))
+        limit = min(int(params.get("limit", ["20"])[0]), 100)
+        start = 0
+        if "after" in params:
+            ids = [b.id for b in newest_first]
+            if params["after"][0] not in ids:
+                return 400, {"error": {"message": f"no batch {params['after'][0]} to list after"}}, {}
+            start = ids.index(params["after"][0]) + 1
+        page = newest_first[start : start + limit]
+        body = {
+            "object": "list",
+            "data": [b.to_json() for b in page],
+            "first_id": page[0].id if page else None,
+            "last_id": page[-1].id if page else None,
+            "has_more": start + limit < len(newest_first),
+        }
+        return 200, body, {}
 
     def _upload(self, raw: bytes, content_type: str) -> tuple[int, Any, dict[str, str]]:
         boundary = re.search(r"boundary=\"?([^\";]+)", content_type)
@@ -141,7 +197,11 @@ class FakeBatchAPI:
         if self.hold or batch.polls < self.polls_to_finish:
             batch.status = "in_progress"
             return
-        if self.expire_after_rows is not None and self.expire_after_rows < len(batch.rows):
+        if self.fail_batches_with is not None:
+            code, message = self.fail_batches_with
+            batch.status = "failed"
+            batch.errors = [{"code": code, "message": message, "param": None, "line": None}]
+        elif self.expire_after_rows is not None and self.expire_after_rows < len(batch.rows):
             batch.status = "expired"
             self._finish(batch, self.expire_after_rows, "batch_expired")
         else:
@@ -172,6 +232,10 @@ class FakeBatchAPI:
             (outputs if status == 200 else errors).append(result)
         for rows, attr in ((outputs, "output_file_id"), (errors, "error_file_id")):
             if rows:
+                lines = [json.dumps(r) for r in rows]
+                if attr == "output_file_id":
+                    cut = min(self.corrupt_output_rows, len(lines))
+                    lines[:cut] = [line[: len(line) // 2] for line in lines[:cut]]
                 file_id = f"file-{next(_ids)}"
-                self.files[file_id] = "".join(json.dumps(r) + "\n" for r in rows).encode()
+                self.files[file_id] = "".join(line + "\n" for line in lines).encode()
                 setattr(batch, attr, file_id)

@@ -260,6 +260,7 @@ class FakeOpenAIServer:
                     headers[name.strip().lower()] = value.strip()
                 raw = await reader.readexactly(int(headers.get("content-length", 0)))
                 if self.batch_api.handles(path):
+                    await asyncio.sleep(self.batch_api.delay_s(method, path))
                     status, payload, extra = self.batch_api.respond(method, path, raw, headers)
                 else:
                     status, payload, extra = await self._respond(path, raw, headers.get("authorization", ""))
