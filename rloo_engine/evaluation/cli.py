@@ -2,8 +2,9 @@
 
     rloo-engine evaluate --config eval.yaml [--policy DIR] [--sft DIR] [--output_dir DIR]
 
-Exit status: 0 on success, 2 for a configuration error (the message names the option), 1 when the
-evaluation stopped (judge endpoint refused the key or model, budget reached).
+Exit status: 0 on success, 2 for a configuration error (the message names the option) or a judge
+endpoint that refuses the key, model or call (401/403/404: fixed in the config, never by retrying), 1 when
+the evaluation stopped otherwise (budget reached, results that would mislead).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 from rloo_engine.argparsing import StrictArgumentParser
 from rloo_engine.config_base import ConfigError
 from rloo_engine.evaluation.config import load_eval_config
-from rloo_engine.evaluation.errors import EvaluationError
+from rloo_engine.evaluation.errors import EvaluationError, JudgeEndpointError
 from rloo_engine.evaluation.report import format_summary
 from rloo_engine.evaluation.runner import run_evaluation
 
@@ -45,7 +46,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_eval_config(args.config, overrides)
         report = run_evaluation(cfg, policy_path=args.policy, sft_path=args.sft, output_dir=args.output_dir)
-    except ConfigError as err:
+    except (ConfigError, JudgeEndpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except EvaluationError as err:

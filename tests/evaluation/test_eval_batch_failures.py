@@ -81,7 +81,7 @@ def test_a_server_without_the_batch_api_is_a_judge_endpoint_error_with_the_key_r
 
     config_file = tmp_path / "eval.yaml"
     config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    assert evaluate_main(["--config", str(config_file), "--no_progress"]) == 1  # "the endpoint refused": exit 1
+    assert evaluate_main(["--config", str(config_file), "--no_progress"]) == 2  # the endpoint refused: a configuration to fix
     stderr = capsys.readouterr().err
     assert stderr.startswith("error: judge batch:") and "HTTP 404" in stderr and API_KEY not in stderr
 

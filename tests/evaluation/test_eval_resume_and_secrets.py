@@ -114,7 +114,7 @@ def test_the_api_key_appears_in_no_output_cache_or_log(fake_server, make_config,
             config_values(make_eval_files(tmp_path / "cli_data"), unauthorized.base_url, tmp_path / "cli_out")
         )
     )
-    assert evaluate_main(["--config", str(config_file), "--no_progress"]) == 1
+    assert evaluate_main(["--config", str(config_file), "--no_progress"]) == 2  # refused: fix the key
 
     # ... and is nowhere else: not in any file written, the cache (with its WAL), logs, output or errors
     written = [p for p in tmp_path.rglob("*") if p.is_file()]
