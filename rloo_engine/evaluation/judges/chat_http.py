@@ -8,15 +8,25 @@ profile of bench/judge_throughput.py, against about 0.3 ms for aiohttp alone. Th
 body), keeps connections alive, and reports failures as the four cases the judge tells apart. The
 Batch API path (`openai_batch.py`) still uses the openai client: it makes a handful of calls per
 batch, not one per judgment.
+
+Like the openai client, it goes through the proxy that `HTTP_PROXY` / `HTTPS_PROXY` / `ALL_PROXY`
+name, unless `NO_PROXY` lists the host. The proxy is looked up once, here, rather than by aiohttp's
+`trust_env`: that costs two thread hops per request and also reads `~/.netrc`, whose entry for the
+judge's host would clash with the bearer header.
 """
 
 from __future__ import annotations
 
 import json
+import urllib.request
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
+from yarl import URL
+
+from rloo_engine.config_base import ConfigError
 
 
 class HTTPStatusFailure(Exception):
@@ -51,18 +61,32 @@ class ChatHTTPClient:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        proxy = env_proxy_for(url)
+        self._proxy = URL(proxy).with_user(None) if proxy else None
+        self._proxy_headers: dict[str, str] | None = None
+        # Credentials in the proxy URL (http://user:pass@proxy:3128) go in Proxy-Authorization, as with httpx:
+        # on the tunnel's CONNECT for an https judge, on the request itself (which the proxy reads) for http.
+        proxy_auth = aiohttp.BasicAuth.from_url(URL(proxy)) if proxy else None
+        if proxy_auth is not None and url.startswith("https://"):
+            self._proxy_headers = {"Proxy-Authorization": proxy_auth.encode()}
+        elif proxy_auth is not None:
+            self._headers["Proxy-Authorization"] = proxy_auth.encode()
 
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=self._max_connections)
-            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers, timeout=self._timeout)
+            # Headers go with each request, not as session defaults: aiohttp copies a session's default headers
+            # into the proxy's, which would hand the key to the proxy as Proxy-Authorization.
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
         return self._session
 
     async def post_json(self, body: dict[str, Any]) -> Any:
         """The decoded JSON reply (None when the 2xx body is not JSON); raises one of this module's errors."""
         data = json.dumps(body, ensure_ascii=False).encode("utf-8")
         try:
-            async with self._open().post(self.url, data=data) as response:
+            async with self._open().post(
+                self.url, data=data, headers=self._headers, proxy=self._proxy, proxy_headers=self._proxy_headers
+            ) as response:
                 raw = await response.read()
                 status, headers = response.status, response.headers
         except TimeoutError as err:  # aiohttp's connect and read timeouts are TimeoutError subclasses
@@ -80,6 +104,25 @@ class ChatHTTPClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def env_proxy_for(url: str) -> str | None:
+    """The proxy URL the environment names for `url`'s scheme (then `ALL_PROXY`), or None if NO_PROXY lists its host."""
+    proxies = urllib.request.getproxies_environment()
+    parts = urlsplit(url)
+    if parts.hostname and urllib.request.proxy_bypass_environment(parts.hostname, proxies):
+        return None
+    proxy = proxies.get(parts.scheme) or proxies.get("all")
+    if not proxy:
+        return None
+    if "://" not in proxy:  # `proxy:3128`, read as http:// the way httpx and curl read it
+        proxy = f"http://{proxy}"
+    if not proxy.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"{parts.scheme.upper()}_PROXY / ALL_PROXY: {proxy!r}; the live judge speaks to http:// or https:// "
+            "proxies only (unset it, or list the judge's host in NO_PROXY)"
+        )
+    return proxy
 
 
 def _decode(raw: bytes) -> Any:
