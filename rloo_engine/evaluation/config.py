@@ -110,6 +110,21 @@ class JudgeConfig(StrictModel):
         "openai: name of the environment variable holding the API key. The key itself is never a config value "
         "and is never written anywhere. None = no key (local servers that do not check one).",
     )
+    api_key_header: Literal["authorization", "api-key"] = F(
+        "authorization",
+        "openai, live: how the key is sent. `authorization`: `Authorization: Bearer <key>` (OpenAI, vllm). "
+        "`api-key`: an `api-key: <key>` header (Azure OpenAI, with a deployment `base_url` such as "
+        "`https://x.openai.azure.com/openai/deployments/gpt4o?api-version=2024-06-01`).",
+    )
+    organization: str | None = F(
+        None,
+        "openai: sent as the `OpenAI-Organization` header, as the openai client does. None = the `OPENAI_ORG_ID` "
+        "environment variable, if set.",
+    )
+    project: str | None = F(
+        None,
+        "openai: sent as the `OpenAI-Project` header. None = the `OPENAI_PROJECT_ID` environment variable, if set.",
+    )
     function: str | None = F(
         None,
         'python: import path `module:function`. Called as `f(prompt, answer_a, answer_b)` and returning `"A"`, '
@@ -193,6 +208,11 @@ class JudgeConfig(StrictModel):
                 )
         if self.mode == "batch" and self.backend != "openai":
             raise ValueError(f"mode: 'batch' with backend {self.backend!r}; the Batch API needs the openai backend")
+        if self.mode == "batch" and self.api_key_header != "authorization":
+            raise ValueError(
+                f"api_key_header: {self.api_key_header!r} with mode 'batch'; the Batch API path uses the openai "
+                "client, which sends `Authorization: Bearer`. Use mode: live for an api-key endpoint"
+            )
         if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url: {self.base_url!r}; expected an http:// or https:// URL")
         return self

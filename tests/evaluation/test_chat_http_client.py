@@ -8,7 +8,14 @@ import asyncio
 import pytest
 
 from rloo_engine.config_base import ConfigError
-from rloo_engine.evaluation.judges.chat_http import ChatHTTPClient, ConnectFailed, ConnectionBroken, env_proxy_for
+from rloo_engine.evaluation.judges.chat_http import (
+    ChatHTTPClient,
+    ConnectFailed,
+    ConnectionBroken,
+    auth_headers,
+    chat_completions_url,
+    env_proxy_for,
+)
 from rloo_engine.testing.fake_openai_server import FakeOpenAIServer
 
 _PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
@@ -85,7 +92,7 @@ def _chat_body() -> dict:
 
 
 async def _post_once(url: str) -> dict:
-    client = ChatHTTPClient(url, "sk-test", 5.0, max_connections=2)
+    client = ChatHTTPClient(url, auth_headers("sk-test"), 5.0, max_connections=2)
     try:
         return await client.post_json(_chat_body())
     finally:
@@ -152,3 +159,18 @@ def test_the_proxy_lookup_reads_scheme_then_all_proxy_and_refuses_socks(clean_pr
     clean_proxy_env.setenv("ALL_PROXY", "socks5://127.0.0.1:1080")
     with pytest.raises(ConfigError, match="http:// or https:// proxies only"):
         env_proxy_for("http://judge.internal:8000/v1/chat/completions")
+
+
+@pytest.mark.parametrize(
+    ("base_url", "expected"),
+    [
+        ("https://api.openai.com/v1", "https://api.openai.com/v1/chat/completions"),
+        ("http://localhost:8000/v1/", "http://localhost:8000/v1/chat/completions"),
+        (
+            "https://x.openai.azure.com/openai/deployments/gpt4o?api-version=2024-06-01",
+            "https://x.openai.azure.com/openai/deployments/gpt4o/chat/completions?api-version=2024-06-01",
+        ),
+    ],
+)
+def test_the_chat_completions_path_is_joined_before_the_query(base_url, expected):
+    assert chat_completions_url(base_url) == expected

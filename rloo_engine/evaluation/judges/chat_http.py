@@ -55,9 +55,9 @@ class ConnectionBroken(Exception):
 class ChatHTTPClient:
     """POSTs JSON to one URL. The session is made on first use, inside the running event loop."""
 
-    def __init__(self, url: str, api_key: str, timeout_s: float, max_connections: int):
+    def __init__(self, url: str, headers: Mapping[str, str], timeout_s: float, max_connections: int):
         self.url = url
-        self._headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+        self._headers = {**headers, "Content-Type": "application/json"}
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
@@ -104,6 +104,26 @@ class ChatHTTPClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def chat_completions_url(base_url: str) -> str:
+    """`base_url` + `/chat/completions`, joined to the path so that a query (Azure's `?api-version=`) stays last."""
+    parts = urlsplit(base_url)
+    return parts._replace(path=f"{parts.path.rstrip('/')}/chat/completions").geturl()
+
+
+def auth_headers(
+    api_key: str | None, key_header: str = "authorization", organization: str | None = None, project: str | None = None
+) -> dict[str, str]:
+    """The key (as a bearer token or an Azure-style `api-key`) and the OpenAI account headers that are set."""
+    # "EMPTY": servers without auth still get a well-formed bearer header, as the openai client sends.
+    key = api_key or "EMPTY"
+    headers = {"api-key": key} if key_header == "api-key" else {"Authorization": f"Bearer {key}"}
+    if organization:
+        headers["OpenAI-Organization"] = organization
+    if project:
+        headers["OpenAI-Project"] = project
+    return headers
 
 
 def env_proxy_for(url: str) -> str | None:

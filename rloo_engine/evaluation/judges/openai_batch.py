@@ -59,7 +59,12 @@ class OpenAIBatchJudge(OpenAIJudge):
         super().__init__(cfg, template, spend, api_key)
         # The official client for the Files and Batches calls (few per batch); its retries off, ours count.
         self._client = openai.AsyncOpenAI(
-            base_url=self.base_url, api_key=api_key or "EMPTY", max_retries=0, timeout=cfg.timeout_s
+            base_url=self.base_url,
+            api_key=api_key or "EMPTY",
+            organization=cfg.organization,  # None: the client reads OPENAI_ORG_ID, as the live path does
+            project=cfg.project,
+            max_retries=0,
+            timeout=cfg.timeout_s,
         )
         self.store = store
         self.poll_initial_s, self.poll_max_s = cfg.batch_poll_initial_s, cfg.batch_poll_max_s

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +33,8 @@ from rloo_engine.evaluation.judges.chat_http import (
     ConnectionBroken,
     HTTPStatusFailure,
     RequestTimedOut,
+    auth_headers,
+    chat_completions_url,
 )
 from rloo_engine.evaluation.parsing import parse_verdict
 from rloo_engine.evaluation.ratelimit import RateLimiter
@@ -69,10 +72,14 @@ class OpenAIJudge(Judge):
         self._semaphore = asyncio.Semaphore(cfg.max_concurrency)
         self._limiter = RateLimiter(cfg.requests_per_minute)
         self._secret = api_key
-        # "EMPTY": compatible servers without auth still get a well-formed header.
-        self._http = ChatHTTPClient(
-            f"{self.base_url.rstrip('/')}/chat/completions", api_key or "EMPTY", cfg.timeout_s, cfg.max_concurrency
+        # Like the openai client: the account headers come from the environment unless the config names them.
+        headers = auth_headers(
+            api_key,
+            cfg.api_key_header,
+            cfg.organization or os.environ.get("OPENAI_ORG_ID"),
+            cfg.project or os.environ.get("OPENAI_PROJECT_ID"),
         )
+        self._http = ChatHTTPClient(chat_completions_url(self.base_url), headers, cfg.timeout_s, cfg.max_concurrency)
         # Set by the first budget stop or fatal endpoint error; no request starts after it.
         self._stopped: EvaluationError | None = None
         # Until the endpoint answers once, `connect_failure_limit` failed connections mean it is unreachable.

@@ -1,0 +1,76 @@
+"""The live openai judge as openai-client users expect it, against the fake judge server: account headers,
+Azure-style deployment URLs and keys, and the failures that must not be retried."""
+
+from __future__ import annotations
+
+import pytest
+
+from rloo_engine.config_base import ConfigError
+from rloo_engine.evaluation import EvalConfig, run_evaluation
+from rloo_engine.evaluation.config import build_eval_config
+from tests.evaluation.eval_helpers import API_KEY, config_values
+
+ONE_PAIRING = {"pairings": ["policy_vs_reference"], "max_prompts": 2}
+
+
+def test_organization_and_project_from_the_environment_are_sent(fake_server, make_config, monkeypatch):
+    monkeypatch.setenv("OPENAI_ORG_ID", "org-from-env")
+    monkeypatch.setenv("OPENAI_PROJECT_ID", "proj_from_env")
+    server = fake_server("sensible")
+    run_evaluation(make_config(server, **ONE_PAIRING))
+    assert {(r.headers.get("openai-organization"), r.headers.get("openai-project")) for r in server.requests} == {
+        ("org-from-env", "proj_from_env")
+    }
+
+
+def test_organization_and_project_in_the_judge_config_win_over_the_environment(fake_server, make_config, monkeypatch):
+    monkeypatch.setenv("OPENAI_ORG_ID", "org-from-env")
+    monkeypatch.delenv("OPENAI_PROJECT_ID", raising=False)
+    server = fake_server("sensible")
+    run_evaluation(make_config(server, judge={"organization": "org-cfg", "project": "proj_cfg"}, **ONE_PAIRING))
+    assert {(r.headers.get("openai-organization"), r.headers.get("openai-project")) for r in server.requests} == {
+        ("org-cfg", "proj_cfg")
+    }
+
+
+def test_without_organization_or_project_no_such_header_is_sent(fake_server, make_config, monkeypatch):
+    monkeypatch.delenv("OPENAI_ORG_ID", raising=False)
+    monkeypatch.delenv("OPENAI_PROJECT_ID", raising=False)
+    server = fake_server("sensible")
+    run_evaluation(make_config(server, **ONE_PAIRING))
+    assert not any({"openai-organization", "openai-project"} & set(r.headers) for r in server.requests)
+
+
+def test_an_azure_deployment_url_keeps_its_query_after_the_path_and_the_key_goes_in_api_key(
+    fake_server, eval_files, tmp_path, api_key
+):
+    server = fake_server("sensible")
+    base = f"http://127.0.0.1:{server.port}/openai/deployments/gpt4o?api-version=2024-06-01"
+    values = config_values(eval_files, base, tmp_path / "out", **ONE_PAIRING)
+    values["judge"]["api_key_header"] = "api-key"
+    report = run_evaluation(EvalConfig.model_validate(values))
+    assert report.pairings["policy_vs_reference"].n_valid == 2
+    assert {r.path for r in server.requests} == {"/openai/deployments/gpt4o/chat/completions?api-version=2024-06-01"}
+    assert {r.headers.get("api-key") for r in server.requests} == {api_key}
+    assert not any("authorization" in r.headers for r in server.requests)  # the key is sent once, in api-key
+
+
+def test_the_default_key_header_is_a_bearer_authorization(fake_server, make_config):
+    server = fake_server("sensible")
+    run_evaluation(make_config(server, **ONE_PAIRING))
+    assert {r.authorization for r in server.requests} == {f"Bearer {API_KEY}"}
+    assert not any("api-key" in r.headers for r in server.requests)
+
+
+@pytest.mark.parametrize(
+    ("judge", "expected"),
+    [
+        ({"api_key_header": "bearer"}, "judge.api_key_header: Input should be 'authorization' or 'api-key'"),
+        ({"api_key_header": "api-key", "mode": "batch"}, "judge.api_key_header: 'api-key' with mode 'batch'"),
+    ],
+)
+def test_api_key_header_is_validated(eval_files, tmp_path, api_key, judge, expected):
+    values = config_values(eval_files, "http://127.0.0.1:1/v1", tmp_path / "out")
+    values["judge"].update(judge)
+    with pytest.raises(ConfigError, match=expected):
+        build_eval_config(values)
