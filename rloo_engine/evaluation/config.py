@@ -152,6 +152,12 @@ class JudgeConfig(StrictModel):
     )
     timeout_s: float = F(60.0, "openai: seconds before a request times out (and is retried).", gt=0.0)
     max_concurrency: int = F(16, "openai: requests in flight at once.", ge=1)
+    max_response_bytes: int = F(
+        10 * 1024 * 1024,
+        "openai, live: longest reply body accepted, in bytes (a judgment is a few KiB). A longer reply is cut off "
+        "unread and the judgment is an `api_error`, not retried: a server sending megabytes will do it again.",
+        ge=1024,
+    )
     requests_per_minute: float | None = F(
         None,
         "openai: spread requests to at most this many per minute. None = no limit beyond `max_concurrency`.",

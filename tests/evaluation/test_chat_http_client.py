@@ -12,6 +12,7 @@ from rloo_engine.evaluation.judges.chat_http import (
     ChatHTTPClient,
     ConnectFailed,
     ConnectionBroken,
+    ResponseTooLarge,
     auth_headers,
     chat_completions_url,
     env_proxy_for,
@@ -174,3 +175,46 @@ def test_the_proxy_lookup_reads_scheme_then_all_proxy_and_refuses_socks(clean_pr
 )
 def test_the_chat_completions_path_is_joined_before_the_query(base_url, expected):
     assert chat_completions_url(base_url) == expected
+
+
+def _streaming_server(total_bytes: int, declare_length: bool):
+    """A handler that answers 200 with `total_bytes` of JSON-ish filler, recording how many bytes it got out."""
+    sent = {"bytes": 0}
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        framing = f"Content-Length: {total_bytes}" if declare_length else "Transfer-Encoding: chunked"
+        writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n{framing}\r\n\r\n".encode())
+        chunk = b" " * 65536
+        try:
+            while sent["bytes"] < total_bytes:
+                writer.write(chunk if declare_length else b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                await writer.drain()
+                sent["bytes"] += len(chunk)
+        except ConnectionError:
+            pass  # the client hung up: what we want
+        finally:
+            writer.close()
+
+    return handler, sent
+
+
+@pytest.mark.parametrize("declare_length", [True, False], ids=["content-length", "chunked"])
+def test_a_reply_larger_than_the_limit_is_refused_without_reading_it_all(declare_length):
+    limit, body_size = 1 << 20, 64 << 20
+    handler, sent = _streaming_server(body_size, declare_length)
+
+    async def go():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/chat/completions"
+        client = ChatHTTPClient(url, auth_headers("k"), 30.0, 1, max_response_bytes=limit)
+        try:
+            with pytest.raises(ResponseTooLarge, match="1048576"):
+                await client.post_json(_chat_body())
+        finally:
+            await client.aclose()
+            await asyncio.sleep(0.05)  # let the handler see the hang-up
+            server.close()
+
+    asyncio.run(go())
+    assert sent["bytes"] < 16 << 20  # far from the 64 MiB offered (the rest is socket buffers)

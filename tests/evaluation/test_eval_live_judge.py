@@ -8,6 +8,8 @@ import pytest
 from rloo_engine.config_base import ConfigError
 from rloo_engine.evaluation import EvalConfig, run_evaluation
 from rloo_engine.evaluation.config import build_eval_config
+from rloo_engine.evaluation.result_checks import UntrustworthyResultError
+from rloo_engine.testing.fake_openai_server import FakeReply
 from tests.evaluation.eval_helpers import API_KEY, config_values
 
 ONE_PAIRING = {"pairings": ["policy_vs_reference"], "max_prompts": 2}
@@ -74,3 +76,14 @@ def test_api_key_header_is_validated(eval_files, tmp_path, api_key, judge, expec
     values["judge"].update(judge)
     with pytest.raises(ConfigError, match=expected):
         build_eval_config(values)
+
+
+def test_a_reply_over_max_response_bytes_is_one_counted_api_error(fake_server, make_config):
+    server = fake_server(lambda req: FakeReply(text="x" * 5000 + "\nPreferred: A"))
+    cfg = make_config(server, judge={"max_response_bytes": 1024}, **ONE_PAIRING)
+    with pytest.raises(UntrustworthyResultError) as err:  # nothing valid: the run fails, with its counts
+        run_evaluation(cfg)
+    rows = err.value.report.table()
+    assert len(rows) == 4 and {row["status"] for row in rows} == {"api_error"}
+    assert all("max_response_bytes 1024" in row["error"] for row in rows)
+    assert server.request_count == 4  # one request per judgment: not retried

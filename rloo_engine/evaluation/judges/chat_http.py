@@ -5,7 +5,7 @@ request is what bounds throughput, and openai's request path (option deep copies
 header models, then its aiohttp transport underneath) cost about 2.5 ms of CPU per request in a
 profile of bench/judge_throughput.py, against about 0.3 ms for aiohttp alone. That kept the bench at
 1.27x the ideal time. This client sends what an OpenAI-compatible server needs (bearer key, JSON
-body), keeps connections alive, and reports failures as the four cases the judge tells apart. The
+body), keeps connections alive, and reports failures as the five cases the judge tells apart. The
 Batch API path (`openai_batch.py`) still uses the openai client: it makes a handful of calls per
 batch, not one per judgment.
 
@@ -52,11 +52,27 @@ class ConnectionBroken(Exception):
     """The connection broke after it was made (server disconnected, truncated body)."""
 
 
+class ResponseTooLarge(Exception):
+    """The reply was longer than `max_response_bytes`; it was not read to its end."""
+
+
+DEFAULT_MAX_RESPONSE_BYTES = 10 << 20  # a judgment is a few KiB; 10 MiB is a server gone wrong, not a long verdict
+_READ_CHUNK = 64 << 10
+
+
 class ChatHTTPClient:
     """POSTs JSON to one URL. The session is made on first use, inside the running event loop."""
 
-    def __init__(self, url: str, headers: Mapping[str, str], timeout_s: float, max_connections: int):
+    def __init__(
+        self,
+        url: str,
+        headers: Mapping[str, str],
+        timeout_s: float,
+        max_connections: int,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+    ):
         self.url = url
+        self.max_response_bytes = max_response_bytes
         self._headers = {**headers, "Content-Type": "application/json"}
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._max_connections = max_connections
@@ -87,7 +103,7 @@ class ChatHTTPClient:
             async with self._open().post(
                 self.url, data=data, headers=self._headers, proxy=self._proxy, proxy_headers=self._proxy_headers
             ) as response:
-                raw = await response.read()
+                raw = await self._read_capped(response)
                 status, headers = response.status, response.headers
         except TimeoutError as err:  # aiohttp's connect and read timeouts are TimeoutError subclasses
             raise RequestTimedOut(str(err) or "timed out") from err
@@ -99,6 +115,22 @@ class ChatHTTPClient:
         if status >= 400:
             raise HTTPStatusFailure(status, parsed if parsed is not None else raw.decode("utf-8", "replace"), headers)
         return parsed
+
+    async def _read_capped(self, response: aiohttp.ClientResponse) -> bytes:
+        """The body, refused as soon as its declared or received length passes `max_response_bytes`."""
+        limit = self.max_response_bytes
+        declared = response.content_length
+        if declared is not None and declared > limit:
+            response.close()  # drops the connection instead of draining the body into the pool
+            raise ResponseTooLarge(f"the reply declares {declared} bytes, more than max_response_bytes {limit}")
+        parts, size = [], 0
+        async for chunk in response.content.iter_chunked(_READ_CHUNK):
+            size += len(chunk)
+            if size > limit:
+                response.close()
+                raise ResponseTooLarge(f"the reply passed max_response_bytes {limit} and was cut off unread")
+            parts.append(chunk)
+        return b"".join(parts)
 
     async def aclose(self) -> None:
         if self._session is not None:

@@ -33,6 +33,7 @@ from rloo_engine.evaluation.judges.chat_http import (
     ConnectionBroken,
     HTTPStatusFailure,
     RequestTimedOut,
+    ResponseTooLarge,
     auth_headers,
     chat_completions_url,
 )
@@ -79,7 +80,9 @@ class OpenAIJudge(Judge):
             cfg.organization or os.environ.get("OPENAI_ORG_ID"),
             cfg.project or os.environ.get("OPENAI_PROJECT_ID"),
         )
-        self._http = ChatHTTPClient(chat_completions_url(self.base_url), headers, cfg.timeout_s, cfg.max_concurrency)
+        self._http = ChatHTTPClient(
+            chat_completions_url(self.base_url), headers, cfg.timeout_s, cfg.max_concurrency, cfg.max_response_bytes
+        )
         # Set by the first budget stop or fatal endpoint error; no request starts after it.
         self._stopped: EvaluationError | None = None
         # Until the endpoint answers once, `connect_failure_limit` failed connections mean it is unreachable.
@@ -194,6 +197,10 @@ class OpenAIJudge(Judge):
                         judgment.status, judgment.error = "api_error", error
                         return None
                     retry_after = retry_after_seconds(err.headers)
+                except ResponseTooLarge as err:
+                    self._reached = True
+                    judgment.status, judgment.error = "api_error", f"{err} (judge.max_response_bytes)"
+                    return None
                 except RequestTimedOut:
                     error = f"timed out after {self.timeout_s:g}s"
                 except ConnectFailed as err:
