@@ -9,6 +9,7 @@ from rloo_engine.config_base import ConfigError
 from rloo_engine.evaluation import EvalConfig, run_evaluation
 from rloo_engine.evaluation.config import build_eval_config
 from rloo_engine.evaluation.result_checks import UntrustworthyResultError
+from rloo_engine.evaluation.retry import RetryPolicy, retry_after_seconds
 from rloo_engine.testing.fake_openai_server import FakeReply
 from tests.evaluation.eval_helpers import API_KEY, config_values
 
@@ -87,3 +88,17 @@ def test_a_reply_over_max_response_bytes_is_one_counted_api_error(fake_server, m
     assert len(rows) == 4 and {row["status"] for row in rows} == {"api_error"}
     assert all("max_response_bytes 1024" in row["error"] for row in rows)
     assert server.request_count == 4  # one request per judgment: not retried
+
+
+@pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf", "-5", "1e400"])
+@pytest.mark.parametrize("header", ["retry-after", "retry-after-ms"])
+def test_a_non_finite_or_negative_retry_after_is_ignored_and_the_backoff_cap_holds(header, value):
+    assert retry_after_seconds({header: value}) is None
+    policy = RetryPolicy(max_attempts=6, initial_s=1.0, max_s=8.0)
+    for attempt in range(1, 6):
+        delay = policy.delay(attempt, retry_after_seconds({header: value}))
+        assert 0.0 < delay <= 8.0  # the jittered backoff, as if the header were absent
+
+
+def test_an_unreadable_retry_after_ms_falls_back_to_retry_after():
+    assert retry_after_seconds({"retry-after-ms": "nan", "retry-after": "2"}) == 2.0
