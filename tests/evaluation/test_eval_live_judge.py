@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rloo_engine.config_base import ConfigError
-from rloo_engine.evaluation import EvalConfig, run_evaluation
+from rloo_engine.evaluation import EvalConfig, JudgeEndpointError, run_evaluation
 from rloo_engine.evaluation.config import build_eval_config
 from rloo_engine.evaluation.result_checks import UntrustworthyResultError
 from rloo_engine.evaluation.retry import RetryPolicy, retry_after_seconds
@@ -102,3 +102,35 @@ def test_a_non_finite_or_negative_retry_after_is_ignored_and_the_backoff_cap_hol
 
 def test_an_unreadable_retry_after_ms_falls_back_to_retry_after():
     assert retry_after_seconds({"retry-after-ms": "nan", "retry-after": "2"}) == 2.0
+
+
+def _refusal(req) -> FakeReply:
+    message = {"role": "assistant", "content": None, "refusal": "I can't help with comparing these."}
+    return FakeReply(body={"model": "fake-judge", "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]})
+
+
+def test_a_refusal_is_one_counted_judgment_failure_neither_retried_nor_reasked(fake_server, make_config):
+    server = fake_server(_refusal)
+    with pytest.raises(UntrustworthyResultError) as err:
+        run_evaluation(make_config(server, **ONE_PAIRING))
+    r = err.value.report.pairings["policy_vs_reference"]
+    assert (r.n_parse_error, r.n_api_error) == (2, 0)
+    assert server.request_count == 4  # 2 prompts x 2 orders, one request each
+    assert all("refused" in row["error"] and "I can't help" in row["error"] for row in err.value.report.table())
+
+
+def _quota_exhausted(req) -> FakeReply:
+    error = {
+        "message": "You exceeded your current quota, please check your plan and billing details.",
+        "type": "insufficient_quota",
+        "code": "insufficient_quota",
+    }
+    return FakeReply(429, error_body={"error": error})
+
+
+def test_insufficient_quota_stops_the_run_at_once_naming_the_quota(fake_server, make_config):
+    server = fake_server(_quota_exhausted)
+    with pytest.raises(JudgeEndpointError, match="insufficient_quota") as err:
+        run_evaluation(make_config(server, judge={"max_concurrency": 1}, **ONE_PAIRING))
+    assert "quota" in str(err.value) and "retrying cannot help" in str(err.value)
+    assert server.request_count == 1  # not retried, and nothing sent after it

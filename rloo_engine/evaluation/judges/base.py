@@ -4,7 +4,8 @@ A `SlotPair` is what one judge call sees: a prompt and two answers in the slots 
 in (A first). Every judgment ends in exactly one status:
 
 - `ok`: a verdict `A`, `B` or `tie` (ties come from score-based judges within their margin);
-- `parse_error`: the judge answered, but its verdict did not parse even after one re-ask;
+- `parse_error`: the judge answered, but its verdict did not parse even after one re-ask, or it refused
+  to judge (a refusal is not re-asked);
 - `api_error`: the call failed after its bounded retries.
 
 Failures are values, not exceptions, so that every judgment is accounted for. Exceptions are kept

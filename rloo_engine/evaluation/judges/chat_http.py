@@ -30,13 +30,15 @@ from rloo_engine.config_base import ConfigError
 
 
 class HTTPStatusFailure(Exception):
-    """The server answered with a status >= 400. `body` is the parsed JSON body, or its text."""
+    """The server answered with a status >= 400. `body` is the parsed JSON body, or its text; `code` is its
+    OpenAI-style `error.code` (else `error.type`), e.g. `insufficient_quota`, or None."""
 
     def __init__(self, status_code: int, body: Any, headers: Mapping[str, str]):
         self.status_code = status_code
         self.body = body
         self.headers = headers
         self.message = _error_message(body)
+        self.code = _error_code(body)
         super().__init__(f"HTTP {status_code}: {self.message}")
 
 
@@ -192,3 +194,11 @@ def _error_message(body: Any) -> str:
             return str(inner.get("message", inner))
         return str(inner)
     return str(body)
+
+
+def _error_code(body: Any) -> str | None:
+    inner = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(inner, dict):
+        return None
+    code = inner.get("code") or inner.get("type")
+    return code if isinstance(code, str) else None

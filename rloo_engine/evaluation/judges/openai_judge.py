@@ -7,9 +7,10 @@ through the official openai client.
 
 Every retry is visible and bounded here: 429, 408/409, 5xx, timeouts and connection errors back off
 exponentially with jitter (honouring `Retry-After`) up to `max_attempts`, then the judgment is an
-`api_error`. 401, 403 and 404 raise `JudgeEndpointError` at once, since every other request would
-fail the same way. A semaphore bounds the requests in flight, and an optional limiter spaces them
-to a requests-per-minute rate.
+`api_error`. 401, 403, 404 and a 429 whose code is `insufficient_quota` raise `JudgeEndpointError` at
+once, since every other request would fail the same way. A refusal (`content: null`) is the judge's
+answer, not a transient failure: a `parse_error` at once, neither retried nor re-asked. A semaphore
+bounds the requests in flight, and an optional limiter spaces them to a requests-per-minute rate.
 
 The API key lives only inside the clients; messages that might echo it are redacted.
 """
@@ -51,6 +52,10 @@ _FATAL_HINTS = {
     403: "the key has no access to this model or endpoint",
     404: "no such model or route; check judge.model and judge.base_url (most servers want a URL ending in /v1)",
 }
+_QUOTA_HINT = (
+    "insufficient_quota: the account's quota or credit is used up, and retrying cannot help; add credit or raise "
+    "the limit, then rerun (finished judgments are cached)"
+)
 
 
 class OpenAIJudge(Judge):
@@ -189,8 +194,9 @@ class OpenAIJudge(Judge):
                 except HTTPStatusFailure as err:
                     self._reached = True
                     status = err.status_code
-                    if status in FATAL_STATUS:
-                        self._stopped = JudgeEndpointError(self._fatal_message(status, err.message))
+                    hint = fatal_hint(err)
+                    if hint is not None:
+                        self._stopped = JudgeEndpointError(self._fatal_message(status, err.message, hint))
                         raise self._stopped from None
                     error = f"HTTP {status}: {redact(err.message, self._secret)[:300]}"
                     if status not in RETRYABLE_STATUS:
@@ -211,6 +217,11 @@ class OpenAIJudge(Judge):
                     error = f"connection error: {redact(str(err), self._secret)[:300]}"
                 else:
                     self._reached = True
+                    refusal = _refusal(response)
+                    if refusal is not None:
+                        judgment.status = "parse_error"
+                        judgment.error = f"the judge refused to answer: {redact(refusal, self._secret)[:300]}"
+                        return None
                     # Text from the endpoint is stored (table, cache) and logged: never with the key in it.
                     text = _reply_text(response)
                     if text is not None and text.strip():
@@ -268,15 +279,38 @@ class OpenAIJudge(Judge):
         judgment.prompt_tokens += prompt_tokens
         judgment.completion_tokens += completion_tokens
 
-    def _fatal_message(self, status: int, detail: str) -> str:
+    def _fatal_message(self, status: int, detail: str, hint: str) -> str:
         detail = redact(str(detail), self._secret)[:300]
-        return (
-            f"judge endpoint {self.base_url} refused model {self.model!r}: HTTP {status}: {detail} "
-            f"({_FATAL_HINTS[status]})"
-        )
+        return f"judge endpoint {self.base_url} refused model {self.model!r}: HTTP {status}: {detail} ({hint})"
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+
+def fatal_hint(err: HTTPStatusFailure) -> str | None:
+    """Why no retry of `err` can succeed, for the error message; None when a retry might."""
+    if err.status_code == 429 and err.code == "insufficient_quota":
+        return _QUOTA_HINT
+    return _FATAL_HINTS.get(err.status_code) if err.status_code in FATAL_STATUS else None
+
+
+def _refusal(response: Any) -> str | None:
+    """What a chat completion that declines to answer says (its `refusal`, else its finish_reason); None otherwise.
+
+    A refusal has `content: null` (the refusal text, if any, in `refusal`); asking again at the same temperature
+    gets the same answer, so it is not retried like an empty string reply."""
+    try:
+        message = response["choices"][0]["message"]
+    except (TypeError, KeyError, IndexError):
+        return None
+    if not isinstance(message, dict):
+        return None
+    refusal = message.get("refusal")
+    if isinstance(refusal, str) and refusal.strip():
+        return refusal
+    if "content" in message and message["content"] is None:
+        return f"no content (finish_reason {_finish_reason(response)!r})"
+    return None
 
 
 def _reply_text(response: Any) -> str | None:
