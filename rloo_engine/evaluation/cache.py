@@ -13,15 +13,19 @@ same requests twice (see judges/openai_batch.py).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sqlite3
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from rloo_engine.config_base import ConfigError
 from rloo_engine.evaluation.judges.base import Judgment, SlotPair
+
+Method = TypeVar("Method", bound=Callable[..., Any])
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS judgments (
@@ -74,12 +78,47 @@ def cache_key(identity: dict[str, Any], pair: SlotPair) -> str:
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 
+def corrupt_cache_message(path: Path, err: sqlite3.DatabaseError) -> str:
+    return (
+        f"cache_path: {path} is not a readable SQLite judgment cache ({err}). It was not deleted: move it aside "
+        f"(e.g. mv {path} {path}.corrupt, with any {path.name}-wal and {path.name}-shm next to it) and rerun to "
+        "start a fresh cache (everything is judged again), or point cache_path at another file"
+    )
+
+
+def _names_a_corrupt_file(method: Method) -> Method:
+    """Turns SQLite's "file is not a database" / "disk image is malformed" into a ConfigError naming the file."""
+
+    @functools.wraps(method)
+    def wrapper(self: JudgmentCache, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except sqlite3.DatabaseError as err:
+            # Only damage: "database is locked" and other OperationalErrors are DatabaseErrors too.
+            if not str(getattr(err, "sqlite_errorname", "")).startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB")):
+                raise
+            raise ConfigError(corrupt_cache_message(self.path, err)) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
 class JudgmentCache:
+    @_names_a_corrupt_file
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Autocommit (isolation_level=None): each INSERT is its own transaction, durable on return.
         self._conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
+        try:
+            self._prepare()
+        except sqlite3.DatabaseError:
+            self._conn.close()
+            raise
+        # put() gets the same identity dict for every judgment of a run: serialise it once per dict.
+        self._identity_json: tuple[dict[str, Any], str] | None = None
+
+    def _prepare(self) -> None:
+        """WAL mode, the tables, and the columns that caches written by older versions lack."""
         self._conn.execute("PRAGMA journal_mode=WAL")
         # NORMAL is crash-safe for a killed process in WAL mode; only power loss can drop the last commits.
         self._conn.execute("PRAGMA synchronous=NORMAL")
@@ -89,8 +128,6 @@ class JudgmentCache:
         for name, kind in _ADDED_COLUMNS.items():
             if name not in columns:
                 self._conn.execute(f"ALTER TABLE judgments ADD COLUMN {name} {kind}")
-        # put() gets the same identity dict for every judgment of a run: serialise it once per dict.
-        self._identity_json: tuple[dict[str, Any], str] | None = None
 
     def __enter__(self) -> JudgmentCache:
         return self
@@ -98,6 +135,7 @@ class JudgmentCache:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @_names_a_corrupt_file
     def get_many(self, keys: Iterable[str]) -> dict[str, Judgment]:
         keys = list(keys)
         found: dict[str, Judgment] = {}
@@ -113,6 +151,7 @@ class JudgmentCache:
                 found[key] = Judgment(status, verdict, json.loads(raw), pt, ct, requests, error, bpt, bct)
         return found
 
+    @_names_a_corrupt_file
     def put(self, key: str, identity: dict[str, Any], template_hash: str | None, pair: SlotPair, j: Judgment) -> None:
         if j.status == "api_error":
             return
@@ -143,6 +182,7 @@ class JudgmentCache:
         )
 
     # ------------------------------------------------------------------ Batch API submissions
+    @_names_a_corrupt_file
     def unfinished_batches(self, judge: str) -> list[dict[str, Any]]:
         """Submissions of this judge not yet collected: {token, batch_id (None while submitting), custom_ids}."""
         rows = self._conn.execute(
@@ -175,6 +215,7 @@ class JudgmentCache:
         """Drops a submission that never reached the endpoint (its requests go in a new batch)."""
         self._conn.execute("DELETE FROM batches WHERE token = ?", (token,))
 
+    @_names_a_corrupt_file
     def count(self) -> int:
         return self._conn.execute("SELECT COUNT(*) FROM judgments").fetchone()[0]
 
