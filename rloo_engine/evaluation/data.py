@@ -61,8 +61,9 @@ def read_jsonl_numbered(path: str | Path) -> list[tuple[dict[str, Any], int]]:
     if not p.is_file():
         raise ConfigError(f"{p}: does not exist or is not a file; expected a JSONL file")
     rows = []
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with p.open("rb") as f:  # bytes, so that a line that is not UTF-8 is reported with its number
+        for lineno, raw in enumerate(f, 1):
+            line = utf8_text(raw, p, lineno)
             if not line.strip():
                 continue
             try:
@@ -75,15 +76,33 @@ def read_jsonl_numbered(path: str | Path) -> list[tuple[dict[str, Any], int]]:
     return rows
 
 
+def utf8_text(raw: bytes, path: Path, first_line: int = 1) -> str:
+    """`raw` decoded as UTF-8; a ConfigError naming the file, line and byte when it is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line_start = raw.rfind(b"\n", 0, err.start) + 1
+        lineno = first_line + raw.count(b"\n", 0, err.start)
+        raise ConfigError(
+            f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start - line_start + 1}); "
+            "expected a UTF-8 text file (re-encode it, e.g. iconv -f latin1 -t utf-8)"
+        ) from None
+
+
 def _read_rows(source: str, split: str) -> list[dict[str, Any]]:
     """Rows of the prompt set: JSONL/JSON read directly, other files and datasets through `datasets`."""
     p = Path(source)
     if p.suffix in (".jsonl", ".json"):
         if not p.is_file():
             raise ConfigError(f"prompts: {p} does not exist or is not a file")
-        text = p.read_text(encoding="utf-8")
-        if p.suffix == ".json" and text.lstrip().startswith("["):
-            data = json.loads(text)
+        if p.suffix == ".jsonl":
+            return read_jsonl(p)
+        text = utf8_text(p.read_bytes(), p)
+        if text.lstrip().startswith("["):
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{p}:{err.lineno}: not valid JSON: {err.msg}") from None
             if not all(isinstance(r, dict) for r in data):
                 raise ConfigError(f"prompts: {p} holds a list that is not all objects; expected one object per prompt")
             return data
