@@ -75,7 +75,8 @@ def cache_key(identity: dict[str, Any], pair: SlotPair) -> str:
         sort_keys=True,
         ensure_ascii=False,
     )
-    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+    # surrogatepass: a lone surrogate (half an emoji) gets a key of its own instead of an UnicodeEncodeError.
+    return hashlib.sha256(payload.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def corrupt_cache_message(path: Path, err: sqlite3.DatabaseError) -> str:
