@@ -46,14 +46,25 @@ CREATE TABLE IF NOT EXISTS judgments (
     error TEXT,
     created_at REAL NOT NULL,
     batch_prompt_tokens INTEGER NOT NULL DEFAULT 0,
-    batch_completion_tokens INTEGER NOT NULL DEFAULT 0
+    batch_completion_tokens INTEGER NOT NULL DEFAULT 0,
+    served_model TEXT,
+    parser_version INTEGER
 )
 """
-# Caches written before the Batch API columns existed get them (their judgments were all live).
+# Columns that caches written by older versions lack, added on open (nothing else changes): the Batch API
+# token counts (their judgments were all live), the served model id and the parser version (unknown: NULL,
+# so their parse_errors are parsed again).
 _ADDED_COLUMNS = {
     "batch_prompt_tokens": "INTEGER NOT NULL DEFAULT 0",
     "batch_completion_tokens": "INTEGER NOT NULL DEFAULT 0",
+    "served_model": "TEXT",
+    "parser_version": "INTEGER",
 }
+_ROW_COLUMNS = (
+    "key, backend, model, template_hash, identity, prompt, answer_a, answer_b, status, verdict, raw_texts, "
+    "prompt_tokens, completion_tokens, requests, error, created_at, batch_prompt_tokens, batch_completion_tokens, "
+    "served_model, parser_version"
+)
 BATCH_SCHEMA = """
 CREATE TABLE IF NOT EXISTS batches (
     token TEXT PRIMARY KEY,      -- a fresh id per submission, sent as the batch's metadata too
@@ -144,12 +155,12 @@ class JudgmentCache:
             chunk = keys[start : start + 500]
             rows = self._conn.execute(
                 "SELECT key, status, verdict, raw_texts, prompt_tokens, completion_tokens, requests, error, "
-                "batch_prompt_tokens, batch_completion_tokens "
+                "batch_prompt_tokens, batch_completion_tokens, served_model, parser_version "
                 f"FROM judgments WHERE key IN ({','.join('?' * len(chunk))})",
                 chunk,
             )
-            for key, status, verdict, raw, pt, ct, requests, error, bpt, bct in rows:
-                found[key] = Judgment(status, verdict, json.loads(raw), pt, ct, requests, error, bpt, bct)
+            for key, status, verdict, raw, pt, ct, requests, error, bpt, bct, served, parser in rows:
+                found[key] = Judgment(status, verdict, json.loads(raw), pt, ct, requests, error, bpt, bct, served, parser)
         return found
 
     @_names_a_corrupt_file
@@ -159,7 +170,8 @@ class JudgmentCache:
         if self._identity_json is None or self._identity_json[0] is not identity:
             self._identity_json = (identity, json.dumps(identity, sort_keys=True))
         self._conn.execute(
-            "INSERT OR REPLACE INTO judgments VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            # Columns named: a migrated cache has the added ones in another order than a new one.
+            f"INSERT OR REPLACE INTO judgments ({_ROW_COLUMNS}) VALUES ({','.join('?' * 20)})",
             (
                 key,
                 identity["backend"],
@@ -179,6 +191,8 @@ class JudgmentCache:
                 time.time(),
                 j.batch_prompt_tokens,
                 j.batch_completion_tokens,
+                j.served_model,
+                j.parser_version,
             ),
         )
 

@@ -3,14 +3,19 @@ Azure-style deployment URLs and keys, and the failures that must not be retried.
 
 from __future__ import annotations
 
+import sqlite3
+from collections import Counter
+from contextlib import closing
+
 import pytest
 
 from rloo_engine.config_base import ConfigError
 from rloo_engine.evaluation import EvalConfig, JudgeEndpointError, run_evaluation
 from rloo_engine.evaluation.config import build_eval_config
+from rloo_engine.evaluation.parsing import PARSER_VERSION
 from rloo_engine.evaluation.result_checks import UntrustworthyResultError
 from rloo_engine.evaluation.retry import RetryPolicy, retry_after_seconds
-from rloo_engine.testing.fake_openai_server import FakeReply
+from rloo_engine.testing.fake_openai_server import FakeReply, sensible
 from tests.evaluation.eval_helpers import API_KEY, config_values
 
 ONE_PAIRING = {"pairings": ["policy_vs_reference"], "max_prompts": 2}
@@ -134,3 +139,60 @@ def test_insufficient_quota_stops_the_run_at_once_naming_the_quota(fake_server, 
         run_evaluation(make_config(server, judge={"max_concurrency": 1}, **ONE_PAIRING))
     assert "quota" in str(err.value) and "retrying cannot help" in str(err.value)
     assert server.request_count == 1  # not retried, and nothing sent after it
+
+
+# ---------------------------------------------------------------- what the cache knows of the model behind an alias
+def _snapshot(name: str):
+    return lambda req: FakeReply(text=sensible(req).text, served_model=name)
+
+
+def test_a_judge_alias_served_by_a_new_snapshot_is_warned_about_next_to_the_numbers(fake_server, make_config):
+    old = fake_server(_snapshot("fake-judge-2024-01"))
+    run_evaluation(make_config(old, pairings=["policy_vs_reference"], max_prompts=3))
+    new = fake_server(_snapshot("fake-judge-2024-06"))
+    report = run_evaluation(make_config(new, pairings=["policy_vs_reference"], max_prompts=5))
+    assert report.usage.judgments_cached == 6 and report.usage.judgments_made == 4
+    (warning,) = [w for w in report.warnings if "snapshot" in w]
+    assert "'fake-judge'" in warning
+    assert "fake-judge-2024-01 (6 cached)" in warning and "fake-judge-2024-06 (4 new)" in warning
+    assert report.judge["served_models"] == {"fake-judge-2024-01": 6, "fake-judge-2024-06": 4}
+    rows = report.table()
+    assert {row["served_model"] for row in rows if row["cached"]} == {"fake-judge-2024-01"}
+    assert {row["served_model"] for row in rows if not row["cached"]} == {"fake-judge-2024-06"}
+    with closing(sqlite3.connect(report.cache_path)) as db:
+        stored = Counter(m for (m,) in db.execute("SELECT served_model FROM judgments"))
+    assert stored == {"fake-judge-2024-01": 6, "fake-judge-2024-06": 4}
+
+
+def test_one_snapshot_throughout_gives_no_warning(fake_server, make_config):
+    server = fake_server(_snapshot("fake-judge-2024-01"))
+    run_evaluation(make_config(server, pairings=["policy_vs_reference"], max_prompts=3))
+    report = run_evaluation(make_config(server, pairings=["policy_vs_reference"], max_prompts=5))
+    assert not [w for w in report.warnings if "snapshot" in w]
+
+
+def _as_written_by_an_older_version(cache_path) -> None:
+    """Every cached judgment becomes a parse_error of a cache file from before served_model / parser_version."""
+    with closing(sqlite3.connect(cache_path)) as db:
+        columns = {row[1] for row in db.execute("PRAGMA table_info(judgments)")}
+        for name in ("served_model", "parser_version"):
+            if name in columns:
+                db.execute(f"ALTER TABLE judgments DROP COLUMN {name}")
+        db.execute("UPDATE judgments SET status = 'parse_error', verdict = NULL, error = 'no verdict line'")
+        db.commit()
+
+
+def test_cached_parse_errors_of_an_older_parser_are_reparsed_without_a_request(fake_server, make_config):
+    server = fake_server("sensible")
+    cfg = make_config(server, pairings=["policy_vs_reference"], max_prompts=3)
+    first = run_evaluation(cfg)
+    _as_written_by_an_older_version(first.cache_path)
+    sent_before = server.request_count
+
+    again = run_evaluation(cfg)
+    assert server.request_count == sent_before  # the stored replies were parsed again, not re-asked
+    assert again.pairings["policy_vs_reference"].win_rate == first.pairings["policy_vs_reference"].win_rate
+    assert again.usage.judgments_cached == 6
+    with closing(sqlite3.connect(first.cache_path)) as db:  # the old file was migrated in place
+        rows = set(db.execute("SELECT status, parser_version FROM judgments"))
+    assert rows == {("ok", PARSER_VERSION)}

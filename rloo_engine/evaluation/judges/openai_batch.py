@@ -36,7 +36,7 @@ from rloo_engine.evaluation.cache import JudgmentCache
 from rloo_engine.evaluation.config import JudgeConfig
 from rloo_engine.evaluation.errors import EvaluationError, JudgeEndpointError, redact
 from rloo_engine.evaluation.judges.base import Judgment, OnJudgment, SlotPair
-from rloo_engine.evaluation.judges.openai_judge import OpenAIJudge, _reply_text
+from rloo_engine.evaluation.judges.openai_judge import OpenAIJudge, _reply_text, served_model
 from rloo_engine.evaluation.retry import FATAL_STATUS, RETRYABLE_STATUS, retry_after_seconds
 from rloo_engine.evaluation.templates import JudgeTemplate
 
@@ -246,6 +246,7 @@ class OpenAIBatchJudge(OpenAIJudge):
             judgment.status, judgment.error = "api_error", f"batch {batch_id}: row failed: {what}"
             return judgment
         self.counts["rows_completed"] += 1
+        judgment.served_model = served_model(body)
         text = redact(text, self._secret)
         usage = body.get("usage") or {}
         prompt_chars = sum(len(m["content"]) for m in messages)

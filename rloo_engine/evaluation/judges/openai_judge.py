@@ -38,7 +38,7 @@ from rloo_engine.evaluation.judges.chat_http import (
     auth_headers,
     chat_completions_url,
 )
-from rloo_engine.evaluation.parsing import parse_verdict
+from rloo_engine.evaluation.parsing import PARSER_VERSION, parse_verdict
 from rloo_engine.evaluation.ratelimit import RateLimiter
 from rloo_engine.evaluation.retry import FATAL_STATUS, RETRYABLE_STATUS, RetryPolicy, retry_after_seconds
 from rloo_engine.evaluation.templates import JudgeTemplate
@@ -157,6 +157,7 @@ class OpenAIJudge(Judge):
 
     async def _verdict(self, judgment: Judgment, messages: list[dict[str, str]], text: str) -> Judgment:
         """Parses the first reply `text`; re-asks once (live) when it does not parse."""
+        judgment.parser_version = PARSER_VERSION
         judgment.raw_texts.append(text)
         verdict = parse_verdict(text, self.template.verdict_prefix)
         if verdict is None and self.reask:
@@ -175,6 +176,17 @@ class OpenAIJudge(Judge):
         else:
             judgment.verdict = verdict
         return judgment
+
+    def reparse(self, judgment: Judgment) -> bool:
+        if judgment.status != "parse_error" or judgment.parser_version == PARSER_VERSION:
+            return False
+        judgment.parser_version = PARSER_VERSION
+        # The first reply that parses wins, as it would have live (a re-ask is only sent when the first fails).
+        prefix = self.template.verdict_prefix
+        verdict = next((v for text in judgment.raw_texts if (v := parse_verdict(text, prefix)) is not None), None)
+        if verdict is not None:
+            judgment.status, judgment.verdict, judgment.error = "ok", verdict, None
+        return True
 
     async def _complete(self, messages: list[dict[str, str]], judgment: Judgment) -> str | None:
         """The reply text, or None after marking `judgment` as an api_error. Raises on fatal errors."""
@@ -227,6 +239,7 @@ class OpenAIJudge(Judge):
                     if text is not None and text.strip():
                         text = redact(text, self._secret)
                         self._record_usage(response, prompt_chars, text, judgment)
+                        judgment.served_model = served_model(response)
                         return text
                     if text is None:
                         shown = redact(str(response), self._secret)[:200]
@@ -311,6 +324,12 @@ def _refusal(response: Any) -> str | None:
     if "content" in message and message["content"] is None:
         return f"no content (finish_reason {_finish_reason(response)!r})"
     return None
+
+
+def served_model(response: Any) -> str | None:
+    """The `model` a chat completion says served it: the dated snapshot behind an alias such as `gpt-4o`."""
+    model = response.get("model") if isinstance(response, dict) else None
+    return model if isinstance(model, str) and model else None
 
 
 def _reply_text(response: Any) -> str | None:
