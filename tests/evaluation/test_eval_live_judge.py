@@ -122,6 +122,7 @@ def test_a_refusal_is_one_counted_judgment_failure_neither_retried_nor_reasked(f
     assert (r.n_parse_error, r.n_api_error) == (2, 0)
     assert server.request_count == 4  # 2 prompts x 2 orders, one request each
     assert all("refused" in row["error"] and "I can't help" in row["error"] for row in err.value.report.table())
+    assert err.value.report.usage.prompt_tokens > 0  # a refusal is billed, so it counts toward the budget
 
 
 def _quota_exhausted(req) -> FakeReply:

@@ -189,7 +189,8 @@ class OpenAIJudge(Judge):
         return True
 
     async def _complete(self, messages: list[dict[str, str]], judgment: Judgment) -> str | None:
-        """The reply text, or None after marking `judgment` as an api_error. Raises on fatal errors."""
+        """The reply text, or None after marking `judgment` as an api_error (or, for a refusal, a parse_error).
+        Raises on fatal errors."""
         prompt_chars = sum(len(m["content"]) for m in messages)
         error = ""
         for attempt in range(1, self.retry.max_attempts + 1):
@@ -231,6 +232,7 @@ class OpenAIJudge(Judge):
                     self._reached = True
                     refusal = _refusal(response)
                     if refusal is not None:
+                        self._record_usage(response, prompt_chars, refusal, judgment)  # a refusal is billed too
                         judgment.status = "parse_error"
                         judgment.error = f"the judge refused to answer: {redact(refusal, self._secret)[:300]}"
                         return None
@@ -304,7 +306,7 @@ def fatal_hint(err: HTTPStatusFailure) -> str | None:
     """Why no retry of `err` can succeed, for the error message; None when a retry might."""
     if err.status_code == 429 and err.code == "insufficient_quota":
         return _QUOTA_HINT
-    return _FATAL_HINTS.get(err.status_code) if err.status_code in FATAL_STATUS else None
+    return _FATAL_HINTS[err.status_code] if err.status_code in FATAL_STATUS else None
 
 
 def _refusal(response: Any) -> str | None:
@@ -319,6 +321,8 @@ def _refusal(response: Any) -> str | None:
     if not isinstance(message, dict):
         return None
     refusal = message.get("refusal")
+    if isinstance(message.get("content"), str) and message["content"].strip():
+        return None  # an answer, whatever else the message carries
     if isinstance(refusal, str) and refusal.strip():
         return refusal
     if "content" in message and message["content"] is None:
