@@ -14,15 +14,19 @@ transaction, so two runs sharing the cache cannot both claim one.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sqlite3
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from rloo_engine.config_base import ConfigError
 from rloo_engine.evaluation.judges.base import Judgment, SlotPair
+
+Method = TypeVar("Method", bound=Callable[..., Any])
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS judgments (
@@ -43,14 +47,25 @@ CREATE TABLE IF NOT EXISTS judgments (
     error TEXT,
     created_at REAL NOT NULL,
     batch_prompt_tokens INTEGER NOT NULL DEFAULT 0,
-    batch_completion_tokens INTEGER NOT NULL DEFAULT 0
+    batch_completion_tokens INTEGER NOT NULL DEFAULT 0,
+    served_model TEXT,
+    parser_version INTEGER
 )
 """
-# Caches written before the Batch API columns existed get them (their judgments were all live).
+# Columns that caches written by older versions lack, added on open (nothing else changes): the Batch API
+# token counts (their judgments were all live), the served model id and the parser version (unknown: NULL,
+# so their parse_errors are parsed again).
 _ADDED_COLUMNS = {
     "batch_prompt_tokens": "INTEGER NOT NULL DEFAULT 0",
     "batch_completion_tokens": "INTEGER NOT NULL DEFAULT 0",
+    "served_model": "TEXT",
+    "parser_version": "INTEGER",
 }
+_ROW_COLUMNS = (
+    "key, backend, model, template_hash, identity, prompt, answer_a, answer_b, status, verdict, raw_texts, "
+    "prompt_tokens, completion_tokens, requests, error, created_at, batch_prompt_tokens, batch_completion_tokens, "
+    "served_model, parser_version"
+)
 BATCH_SCHEMA = """
 CREATE TABLE IF NOT EXISTS batches (
     token TEXT PRIMARY KEY,      -- a fresh id per submission, sent as the batch's metadata too
@@ -72,15 +87,51 @@ def cache_key(identity: dict[str, Any], pair: SlotPair) -> str:
         sort_keys=True,
         ensure_ascii=False,
     )
-    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+    # surrogatepass: a lone surrogate (half an emoji) gets a key of its own instead of an UnicodeEncodeError.
+    return hashlib.sha256(payload.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def corrupt_cache_message(path: Path, err: sqlite3.DatabaseError) -> str:
+    return (
+        f"cache_path: {path} is not a readable SQLite judgment cache ({err}). It was not deleted: move it aside "
+        f"(e.g. mv {path} {path}.corrupt, with any {path.name}-wal and {path.name}-shm next to it) and rerun to "
+        "start a fresh cache (everything is judged again), or point cache_path at another file"
+    )
+
+
+def _names_a_corrupt_file(method: Method) -> Method:
+    """Turns SQLite's "file is not a database" / "disk image is malformed" into a ConfigError naming the file."""
+
+    @functools.wraps(method)
+    def wrapper(self: JudgmentCache, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except sqlite3.DatabaseError as err:
+            # Only damage: "database is locked" and other OperationalErrors are DatabaseErrors too.
+            if not str(getattr(err, "sqlite_errorname", "")).startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB")):
+                raise
+            raise ConfigError(corrupt_cache_message(self.path, err)) from None
+
+    return wrapper  # type: ignore[return-value]
 
 
 class JudgmentCache:
+    @_names_a_corrupt_file
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Autocommit (isolation_level=None): each INSERT is its own transaction, durable on return.
         self._conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
+        try:
+            self._prepare()
+        except sqlite3.DatabaseError:
+            self._conn.close()
+            raise
+        # put() gets the same identity dict for every judgment of a run: serialise it once per dict.
+        self._identity_json: tuple[dict[str, Any], str] | None = None
+
+    def _prepare(self) -> None:
+        """WAL mode, the tables, and the columns that caches written by older versions lack."""
         self._conn.execute("PRAGMA journal_mode=WAL")
         # NORMAL is crash-safe for a killed process in WAL mode; only power loss can drop the last commits.
         self._conn.execute("PRAGMA synchronous=NORMAL")
@@ -90,8 +141,6 @@ class JudgmentCache:
         for name, kind in _ADDED_COLUMNS.items():
             if name not in columns:
                 self._conn.execute(f"ALTER TABLE judgments ADD COLUMN {name} {kind}")
-        # put() gets the same identity dict for every judgment of a run: serialise it once per dict.
-        self._identity_json: tuple[dict[str, Any], str] | None = None
 
     def __enter__(self) -> JudgmentCache:
         return self
@@ -99,6 +148,7 @@ class JudgmentCache:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @_names_a_corrupt_file
     def get_many(self, keys: Iterable[str]) -> dict[str, Judgment]:
         keys = list(keys)
         found: dict[str, Judgment] = {}
@@ -106,21 +156,23 @@ class JudgmentCache:
             chunk = keys[start : start + 500]
             rows = self._conn.execute(
                 "SELECT key, status, verdict, raw_texts, prompt_tokens, completion_tokens, requests, error, "
-                "batch_prompt_tokens, batch_completion_tokens "
+                "batch_prompt_tokens, batch_completion_tokens, served_model, parser_version "
                 f"FROM judgments WHERE key IN ({','.join('?' * len(chunk))})",
                 chunk,
             )
-            for key, status, verdict, raw, pt, ct, requests, error, bpt, bct in rows:
-                found[key] = Judgment(status, verdict, json.loads(raw), pt, ct, requests, error, bpt, bct)
+            for key, status, verdict, raw, pt, ct, requests, error, bpt, bct, served, parser in rows:
+                found[key] = Judgment(status, verdict, json.loads(raw), pt, ct, requests, error, bpt, bct, served, parser)
         return found
 
+    @_names_a_corrupt_file
     def put(self, key: str, identity: dict[str, Any], template_hash: str | None, pair: SlotPair, j: Judgment) -> None:
         if j.status == "api_error":
             return
         if self._identity_json is None or self._identity_json[0] is not identity:
             self._identity_json = (identity, json.dumps(identity, sort_keys=True))
         self._conn.execute(
-            "INSERT OR REPLACE INTO judgments VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            # Columns named: a migrated cache has the added ones in another order than a new one.
+            f"INSERT OR REPLACE INTO judgments ({_ROW_COLUMNS}) VALUES ({','.join('?' * 20)})",
             (
                 key,
                 identity["backend"],
@@ -140,10 +192,13 @@ class JudgmentCache:
                 time.time(),
                 j.batch_prompt_tokens,
                 j.batch_completion_tokens,
+                j.served_model,
+                j.parser_version,
             ),
         )
 
     # ------------------------------------------------------------------ Batch API submissions
+    @_names_a_corrupt_file
     def unfinished_batches(self, judge: str, collected_since: float = float("inf")) -> list[dict[str, Any]]:
         """Submissions of this judge not yet collected, or collected at or after `collected_since` (by another run,
         after this one read the judgments): {token, batch_id (None while submitting), custom_ids, state, created_at}."""
@@ -199,6 +254,7 @@ class JudgmentCache:
         """Drops a submission that never reached the endpoint (its requests go in a new batch)."""
         self._conn.execute("DELETE FROM batches WHERE token = ?", (token,))
 
+    @_names_a_corrupt_file
     def count(self) -> int:
         return self._conn.execute("SELECT COUNT(*) FROM judgments").fetchone()[0]
 

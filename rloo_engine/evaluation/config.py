@@ -117,6 +117,21 @@ class JudgeConfig(StrictModel):
         "openai: name of the environment variable holding the API key. The key itself is never a config value "
         "and is never written anywhere. None = no key (local servers that do not check one).",
     )
+    api_key_header: Literal["authorization", "api-key"] = F(
+        "authorization",
+        "openai, live: how the key is sent. `authorization`: `Authorization: Bearer <key>` (OpenAI, vllm). "
+        "`api-key`: an `api-key: <key>` header (Azure OpenAI, with a deployment `base_url` such as "
+        "`https://x.openai.azure.com/openai/deployments/gpt4o?api-version=2024-06-01`).",
+    )
+    organization: str | None = F(
+        None,
+        "openai: sent as the `OpenAI-Organization` header, as the openai client does. None = the `OPENAI_ORG_ID` "
+        "environment variable, if set.",
+    )
+    project: str | None = F(
+        None,
+        "openai: sent as the `OpenAI-Project` header. None = the `OPENAI_PROJECT_ID` environment variable, if set.",
+    )
     function: str | None = F(
         None,
         'python: import path `module:function`. Called as `f(prompt, answer_a, answer_b)` and returning `"A"`, '
@@ -144,6 +159,12 @@ class JudgeConfig(StrictModel):
     )
     timeout_s: float = F(60.0, "openai: seconds before a request times out (and is retried).", gt=0.0)
     max_concurrency: int = F(16, "openai: requests in flight at once.", ge=1)
+    max_response_bytes: int = F(
+        10 * 1024 * 1024,
+        "openai, live: longest reply body accepted, in bytes (a judgment is a few KiB). A longer reply is cut off "
+        "unread and the judgment is an `api_error`, not retried: a server sending megabytes will do it again.",
+        ge=1024,
+    )
     requests_per_minute: float | None = F(
         None,
         "openai: spread requests to at most this many per minute. None = no limit beyond `max_concurrency`.",
@@ -200,6 +221,11 @@ class JudgeConfig(StrictModel):
                 )
         if self.mode == "batch" and self.backend != "openai":
             raise ValueError(f"mode: 'batch' with backend {self.backend!r}; the Batch API needs the openai backend")
+        if self.mode == "batch" and self.api_key_header != "authorization":
+            raise ValueError(
+                f"api_key_header: {self.api_key_header!r} with mode 'batch'; the Batch API path uses the openai "
+                "client, which sends `Authorization: Bearer`. Use mode: live for an api-key endpoint"
+            )
         if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url: {self.base_url!r}; expected an http:// or https:// URL")
         return self

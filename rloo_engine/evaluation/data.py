@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,10 @@ from rloo_engine.config_base import ConfigError
 log = logging.getLogger(__name__)
 
 Prompt = str | list[dict[str, Any]]  # plain text, or chat messages [{"role": ..., "content": ...}]
+
+# JSON can spell half of a UTF-16 pair ("\ud83d"): json.loads gives a str no UTF-8 encoder accepts.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -32,7 +37,24 @@ class EvalPrompt:
 def prompt_id(prompt: Prompt) -> str:
     """Stable id of a prompt: the first 16 hex digits of the SHA-256 of its text (or canonical JSON of its messages)."""
     canonical = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, ensure_ascii=False)
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
+    # surrogatepass: loaded text never holds a lone surrogate (see `without_lone_surrogates`), others' may.
+    return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def without_lone_surrogates(value: Any) -> Any:
+    """`value` (a parsed JSON value) with every lone UTF-16 surrogate in its strings replaced by U+FFFD.
+
+    Such a surrogate is half a character (an emoji cut by a tool that counts UTF-16 units). It cannot be
+    sent to a judge, stored in SQLite or written as UTF-8, so it becomes what any UTF-8 decoder shows
+    for broken text, once, where it enters.
+    """
+    if isinstance(value, str):
+        return _LONE_SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [without_lone_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {without_lone_surrogates(k): without_lone_surrogates(v) for k, v in value.items()}
+    return value
 
 
 def prompt_text(prompt: Prompt) -> str:
@@ -61,8 +83,9 @@ def read_jsonl_numbered(path: str | Path) -> list[tuple[dict[str, Any], int]]:
     if not p.is_file():
         raise ConfigError(f"{p}: does not exist or is not a file; expected a JSONL file")
     rows = []
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with p.open("rb") as f:  # bytes, so that a line that is not UTF-8 is reported with its number
+        for lineno, raw in enumerate(f, 1):
+            line = utf8_text(raw, p, lineno)
             if not line.strip():
                 continue
             try:
@@ -71,8 +94,30 @@ def read_jsonl_numbered(path: str | Path) -> list[tuple[dict[str, Any], int]]:
                 raise ConfigError(f"{p}:{lineno}: not valid JSON: {err}") from None
             if not isinstance(row, dict):
                 raise ConfigError(f"{p}:{lineno}: a {type(row).__name__}; expected a JSON object per line")
+            if _SURROGATE_ESCAPE.search(line):  # a surrogate escape, maybe of a whole pair: look closer
+                row = _clean_row(row, f"{p}:{lineno}")
             rows.append((row, lineno))
     return rows
+
+
+def utf8_text(raw: bytes, path: Path, first_line: int = 1) -> str:
+    """`raw` decoded as UTF-8; a ConfigError naming the file, line and byte when it is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line_start = raw.rfind(b"\n", 0, err.start) + 1
+        lineno = first_line + raw.count(b"\n", 0, err.start)
+        raise ConfigError(
+            f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start - line_start + 1}); "
+            "expected a UTF-8 text file (re-encode it, e.g. iconv -f latin1 -t utf-8)"
+        ) from None
+
+
+def _clean_row(row: dict[str, Any], where: str) -> dict[str, Any]:
+    cleaned = without_lone_surrogates(row)
+    if cleaned != row:
+        log.warning("%s: a lone UTF-16 surrogate (half a character) was replaced with U+FFFD", where)
+    return cleaned
 
 
 def _read_rows(source: str, split: str) -> list[dict[str, Any]]:
@@ -81,12 +126,17 @@ def _read_rows(source: str, split: str) -> list[dict[str, Any]]:
     if p.suffix in (".jsonl", ".json"):
         if not p.is_file():
             raise ConfigError(f"prompts: {p} does not exist or is not a file")
-        text = p.read_text(encoding="utf-8")
-        if p.suffix == ".json" and text.lstrip().startswith("["):
-            data = json.loads(text)
+        if p.suffix == ".jsonl":
+            return read_jsonl(p)
+        text = utf8_text(p.read_bytes(), p)
+        if text.lstrip().startswith("["):
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{p}:{err.lineno}: not valid JSON: {err.msg}") from None
             if not all(isinstance(r, dict) for r in data):
                 raise ConfigError(f"prompts: {p} holds a list that is not all objects; expected one object per prompt")
-            return data
+            return [_clean_row(r, f"{p} row {i}") for i, r in enumerate(data)]
         return read_jsonl(p)
     import datasets  # imported here: it is slow to import and most evaluations read JSONL
 

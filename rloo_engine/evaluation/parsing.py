@@ -20,6 +20,10 @@ from typing import Literal
 
 SlotVerdict = Literal["A", "B", "tie"]
 
+# Bump when `parse_verdict` accepts or refuses anything it did not before: cached parse_errors written
+# under another version are parsed again from their stored replies (no request), see `OpenAIJudge.reparse`.
+PARSER_VERSION = 1
+
 _NOISE = r"[\s*_`'\"]*"
 _SLOT_NAME = r"(?:(?:summary|response|answer|option)\s+)?"
 

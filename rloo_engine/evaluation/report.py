@@ -33,6 +33,7 @@ TABLE_COLUMNS = (
     "completion_tokens",
     "cached",  # true when the judgment came from the cache, not a call in this run
     "template_hash",
+    "served_model",  # the model id the endpoint reported (e.g. gpt-4o-2024-08-06 for gpt-4o); null if none
     "error",
     "cache_key",
 )

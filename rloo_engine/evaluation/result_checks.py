@@ -4,17 +4,20 @@ warnings printed next to the numbers (report, CLI line, MLflow tags, pipeline su
 Stops (`EvaluationError`): a pairing with nothing to judge (every prompt id unmatched), a pairing
 with no valid judgment, or more failed prompts than `max_failed_fraction` allows.
 Warns: failed or missing prompts, a position-biased judge (low consistency, first-slot rate far
-from 50%), length control that is not estimable, and LC far from the raw rate.
+from 50%), length control that is not estimable, LC far from the raw rate, and a judge alias served
+by more than one model snapshot (cached verdicts of one, new verdicts of another).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping
 
 from scipy.stats import binomtest
 
 from rloo_engine.evaluation.config import EvalConfig
 from rloo_engine.evaluation.errors import EvaluationError
+from rloo_engine.evaluation.judges.base import Judgment
 from rloo_engine.evaluation.report import PairingResult
 
 
@@ -131,3 +134,35 @@ def pairing_warnings(r: PairingResult, cfg: EvalConfig) -> list[str]:
 
 def report_warnings(results: Mapping[str, PairingResult], cfg: EvalConfig) -> list[str]:
     return [w for r in results.values() for w in pairing_warnings(r, cfg)]
+
+
+def served_models(judgments: Iterable[tuple[Judgment, bool]]) -> dict[str, int]:
+    """{model id the endpoint reported: judgments} over (judgment, cached) pairs; judgments without one left out."""
+    return dict(Counter(j.served_model for j, _ in judgments if j.served_model))
+
+
+def snapshot_warning(judgments: Iterable[tuple[Judgment, bool]], model: str | None) -> str | None:
+    """Warns when the judgments of this run (cached or new) came from more than one served model.
+
+    The cache key holds the alias (`gpt-4o`), not the snapshot behind it, which the provider moves: an old
+    cache then mixes verdicts of two models into one rate without anything else showing it.
+    """
+    cached, new = Counter(), Counter()
+    for j, was_cached in judgments:
+        if j.served_model:
+            (cached if was_cached else new)[j.served_model] += 1
+    if len(cached.keys() | new.keys()) < 2:
+        return None
+    parts = []
+    for name in sorted(cached.keys() | new.keys()):
+        counts = [f"{n} {kind}" for n, kind in ((cached[name], "cached"), (new[name], "new")) if n]
+        parts.append(f"{name} ({', '.join(counts)})")
+    return (
+        f"judge model {model!r} was served as {len(parts)} different snapshots: {', '.join(parts)}; the rates mix "
+        "verdicts of different models. For one judge, use a fresh cache_path or pin judge.model to one snapshot"
+    )
+
+
+def judge_warnings(judgments: Iterable[tuple[Judgment, bool]], model: str | None) -> list[str]:
+    warning = snapshot_warning(judgments, model)
+    return [warning] if warning else []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import email.utils
+import math
 import random
 import time
 from collections.abc import Mapping
@@ -32,24 +33,35 @@ class RetryPolicy:
 
 
 def retry_after_seconds(headers: Mapping[str, str] | None, now: float | None = None) -> float | None:
-    """Delay asked for by `retry-after-ms` or `Retry-After` (seconds or an HTTP date); None if absent or unreadable."""
+    """Delay asked for by `retry-after-ms` or `Retry-After` (seconds or an HTTP date); None if absent or unreadable.
+
+    `nan`, `inf` and negative numbers count as unreadable: the caller then backs off as if no header came
+    (a NaN would slip through `min`/`max` and make the cap on the delay meaningless).
+    """
     if not headers:
         return None
-    ms = headers.get("retry-after-ms")
+    ms = _delay_number(headers.get("retry-after-ms"))
     if ms is not None:
-        try:
-            return float(ms) / 1000.0
-        except ValueError:
-            pass
+        return ms / 1000.0
     value = headers.get("retry-after")
     if value is None:
         return None
-    try:
-        return float(value)
-    except ValueError:
-        pass
+    seconds = _delay_number(value)
+    if seconds is not None:
+        return seconds
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError):
         return None
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+def _delay_number(value: str | None) -> float | None:
+    """`value` as a finite, non-negative number; None for anything else."""
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    return number if math.isfinite(number) and number >= 0 else None

@@ -28,7 +28,9 @@ from rloo_engine.evaluation.result_checks import (
     UntrustworthyResultError,
     check_something_to_judge,
     failure_problems,
+    judge_warnings,
     report_warnings,
+    served_models,
 )
 from rloo_engine.evaluation.scoring import JudgedItem, paired_difference, summarize_pairing
 from rloo_engine.evaluation.templates import JudgeTemplate
@@ -117,9 +119,10 @@ def run_evaluation(
             "order_mode": cfg.order_mode,
             "both_orders_rule": cfg.both_orders_rule if cfg.order_mode == "both" else None,
             "mode": cfg.judge.mode if cfg.judge.backend == "openai" else None,
+            "served_models": served_models(results.values()),
             **({"batch": run_info} if run_info else {}),
         },
-        warnings=report_warnings(pairing_results, cfg),
+        warnings=report_warnings(pairing_results, cfg) + judge_warnings(results.values(), cfg.judge.model),
         timings={
             "generation_s": round(generated - started, 3),
             "judging_s": round(judged_at - generated, 3),
@@ -204,6 +207,9 @@ async def judge_items(
                 slots[(item.pairing, item.prompt_id, order)] = key
                 requests.setdefault(key, pair)
         results = {key: (j, True) for key, j in cache.get_many(requests).items()}
+        for key, (judgment, _) in results.items():
+            if judge.reparse(judgment):  # a parse_error stored by an older parser, parsed again from its replies
+                cache.put(key, identity, judge.template_hash, requests[key], judgment)
         todo = [key for key in requests if key not in results]
         if results:
             log.info("judge cache %s: %d of %d judgments already done", cache.path, len(results), len(requests))
@@ -333,6 +339,7 @@ def _table_rows(
                         "prompt_tokens": j.prompt_tokens,
                         "completion_tokens": j.completion_tokens,
                         "cached": cached,
+                        "served_model": j.served_model,
                         "error": j.error,
                         "cache_key": key,
                     }

@@ -1,9 +1,11 @@
 """A scripted OpenAI-compatible chat-completions server on 127.0.0.1, for tests and the throughput bench.
 
 Not for production: it judges by a toy rule. It speaks enough of `POST /v1/chat/completions` for
-the official `openai` client, records every request (answers, re-ask or not, time, status,
-Authorization header) and answers through a *behaviour*: a function from the parsed request to a
-`FakeReply` (status, text, headers, extra delay). Built-in behaviours:
+the official `openai` client, records every request (answers, re-ask or not, time, status, path,
+headers) and answers through a *behaviour*: a function from the parsed request to a
+`FakeReply` (status, text, headers, extra delay, the model id it reports). Any path ending in
+`/chat/completions` is served, whatever comes before it or in its query string (Azure-style
+deployment URLs). Built-in behaviours:
 
     sensible        prefer the better answer by `answer_quality` (more "good", then longer)
     always_a        always "Preferred: A" (a maximally position-biased judge)
@@ -62,6 +64,7 @@ class FakeReply:
     delay_s: float = 0.0
     error_body: dict[str, Any] | None = None
     body: dict[str, Any] | None = None  # a 200 reply with this body instead of a chat completion
+    served_model: str | None = None  # the reply's `model` field; None = the model the request named
 
 
 @dataclass
@@ -72,6 +75,8 @@ class RecordedRequest:
     is_reask: bool
     status: int
     authorization: str
+    path: str = ""  # the request target as sent, query string included
+    headers: dict[str, str] = field(default_factory=dict)  # names lower-cased
 
 
 def answer_quality(text: str) -> tuple[int, int]:
@@ -263,7 +268,7 @@ class FakeOpenAIServer:
                     await asyncio.sleep(self.batch_api.delay_s(method, path))
                     status, payload, extra = self.batch_api.respond(method, path, raw, headers)
                 else:
-                    status, payload, extra = await self._respond(path, raw, headers.get("authorization", ""))
+                    status, payload, extra = await self._respond(path, raw, headers)
                 data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
                 content_type = "application/octet-stream" if isinstance(payload, bytes) else "application/json"
                 head = [
@@ -283,9 +288,10 @@ class FakeOpenAIServer:
         finally:
             writer.close()
 
-    async def _respond(self, path: str, raw: bytes, authorization: str) -> tuple[int, Any, dict[str, str]]:
-        if path.rstrip("/") not in ("/v1/chat/completions", "/chat/completions"):
+    async def _respond(self, path: str, raw: bytes, headers: dict[str, str]) -> tuple[int, Any, dict[str, str]]:
+        if not path.partition("?")[0].rstrip("/").endswith("/chat/completions"):
             return 404, {"error": {"message": f"no route {path}"}}, {}
+        authorization = headers.get("authorization", "")
         try:
             body = json.loads(raw)
         except json.JSONDecodeError:
@@ -295,7 +301,14 @@ class FakeOpenAIServer:
         with self._lock:
             self.requests.append(
                 RecordedRequest(
-                    arrived, request.answer_a, request.answer_b, request.is_reask, reply.status, authorization
+                    arrived,
+                    request.answer_a,
+                    request.answer_b,
+                    request.is_reask,
+                    reply.status,
+                    authorization,
+                    path,
+                    headers,
                 )
             )
             self._in_flight += 1
@@ -341,7 +354,7 @@ class FakeOpenAIServer:
                 "id": f"chatcmpl-{fingerprint[:12]}",
                 "object": "chat.completion",
                 "created": int(time.time()),
-                "model": body.get("model", "fake-judge"),
+                "model": reply.served_model or body.get("model", "fake-judge"),
                 "choices": [
                     {"index": 0, "message": {"role": "assistant", "content": reply.text}, "finish_reason": "stop"}
                 ],

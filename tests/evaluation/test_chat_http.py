@@ -13,6 +13,7 @@ from rloo_engine.evaluation.judges.chat_http import (
     ConnectionBroken,
     HTTPStatusFailure,
     RequestTimedOut,
+    auth_headers,
 )
 
 
@@ -38,7 +39,7 @@ def _reply(writer: asyncio.StreamWriter, status: str, body: bytes, content_type:
 def _post(handler, timeout_s: float = 5.0):
     async def go():
         server, url = await _serve(handler)
-        client = ChatHTTPClient(url, "sk-test", timeout_s, max_connections=2)
+        client = ChatHTTPClient(url, auth_headers("sk-test"), timeout_s, max_connections=2)
         try:
             return await client.post_json({"model": "m", "messages": [{"role": "user", "content": "hé"}]})
         finally:
@@ -112,7 +113,7 @@ def test_a_refused_connection_is_a_connect_failure():
         port = probe.getsockname()[1]
 
     async def go():
-        client = ChatHTTPClient(f"http://127.0.0.1:{port}/v1/chat/completions", "k", 5.0, 1)
+        client = ChatHTTPClient(f"http://127.0.0.1:{port}/v1/chat/completions", auth_headers("k"), 5.0, 1)
         try:
             await client.post_json({})
         finally:

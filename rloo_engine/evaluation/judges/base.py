@@ -4,7 +4,8 @@ A `SlotPair` is what one judge call sees: a prompt and two answers in the slots 
 in (A first). Every judgment ends in exactly one status:
 
 - `ok`: a verdict `A`, `B` or `tie` (ties come from score-based judges within their margin);
-- `parse_error`: the judge answered, but its verdict did not parse even after one re-ask;
+- `parse_error`: the judge answered, but its verdict did not parse even after one re-ask, or it refused
+  to judge (a refusal is not re-asked);
 - `api_error`: the call failed after its bounded retries.
 
 Failures are values, not exceptions, so that every judgment is accounted for. Exceptions are kept
@@ -49,6 +50,8 @@ class Judgment:
     error: str | None = None
     batch_prompt_tokens: int = 0  # the part of the token counts above billed at Batch API prices
     batch_completion_tokens: int = 0
+    served_model: str | None = None  # the model id the endpoint's reply named (gpt-4o -> gpt-4o-2024-08-06)
+    parser_version: int | None = None  # `parsing.PARSER_VERSION` of the verdict parse; None: no text was parsed
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), ensure_ascii=False)
@@ -89,6 +92,12 @@ class Judge(abc.ABC):
                     on_judgment(start + offset, judgment)
             results.extend(judged)
         return results
+
+    def reparse(self, judgment: Judgment) -> bool:
+        """Parses a cached judgment's stored replies again if its parser is outdated; True when it changed.
+
+        Judges that parse no reply text keep their cached judgments as they are."""
+        return False
 
     def run_info(self) -> dict[str, Any]:
         """What this judge did beyond the judgments, for the report (e.g. the batches it submitted)."""

@@ -29,10 +29,14 @@ class BatchAPIClient:
         retry: RetryPolicy,
         poll_s: tuple[float, float],
         refused_message: Callable[[int, str], str],
+        organization: str | None = None,
+        project: str | None = None,
     ):
-        # Its own retries off: ours count, and back off like the live requests'.
+        # Its own retries off: ours count, and back off like the live requests'. organization/project None:
+        # the client reads OPENAI_ORG_ID / OPENAI_PROJECT_ID, as the live path does.
         self._client = openai.AsyncOpenAI(
-            base_url=base_url, api_key=api_key or "EMPTY", max_retries=0, timeout=timeout_s
+            base_url=base_url, api_key=api_key or "EMPTY", organization=organization, project=project,
+            max_retries=0, timeout=timeout_s,
         )
         self.base_url = base_url
         self._secret = api_key

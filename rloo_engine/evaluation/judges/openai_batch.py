@@ -42,7 +42,7 @@ from rloo_engine.evaluation.errors import BudgetExceededError, ConfigError, reda
 from rloo_engine.evaluation.judges.base import Judgment, OnJudgment, SlotPair
 from rloo_engine.evaluation.judges.batch_api import BatchAPIClient
 from rloo_engine.evaluation.judges.batch_files import BatchResults, custom_id, request_line, split_into_files
-from rloo_engine.evaluation.judges.openai_judge import OpenAIJudge, _reply_text
+from rloo_engine.evaluation.judges.openai_judge import OpenAIJudge, _reply_text, served_model, token_count
 from rloo_engine.evaluation.submission_locks import SubmissionLocks
 from rloo_engine.evaluation.templates import JudgeTemplate
 
@@ -81,7 +81,8 @@ class OpenAIBatchJudge(OpenAIJudge):
     ):
         super().__init__(cfg, template, spend, api_key)
         poll_s = (cfg.batch_poll_initial_s, cfg.batch_poll_max_s)
-        self.api = BatchAPIClient(self.base_url, api_key, cfg.timeout_s, self.retry, poll_s, self._fatal_message)
+        self.api = BatchAPIClient(self.base_url, api_key, cfg.timeout_s, self.retry, poll_s, self._refused_message,
+                                  organization=cfg.organization, project=cfg.project)
         self.store = store
         self.locks = SubmissionLocks(store.path)
         self._lock_poll_s = min(cfg.batch_poll_initial_s, 1.0)
@@ -290,12 +291,13 @@ class OpenAIBatchJudge(OpenAIJudge):
             judgment.status, judgment.error = "api_error", f"batch {batch_id}: row failed: {what}"
             return judgment
         self.counts["rows_completed"] += 1
+        judgment.served_model = served_model(body)
         text = redact(text, self._secret)
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
         prompt_chars = sum(len(m["content"]) for m in messages)
         # Some compatible servers omit usage or fill it oddly; estimate (~4 characters per token) so budgets count.
-        pt = _token_count(usage.get("prompt_tokens"), math.ceil(prompt_chars / 4))
-        ct = _token_count(usage.get("completion_tokens"), math.ceil(len(text) / 4))
+        pt = token_count(usage.get("prompt_tokens"), math.ceil(prompt_chars / 4))
+        ct = token_count(usage.get("completion_tokens"), math.ceil(len(text) / 4))
         self.spend.record(prompt_chars, pt, ct, batch=True)
         judgment.prompt_tokens, judgment.completion_tokens = pt, ct
         judgment.batch_prompt_tokens, judgment.batch_completion_tokens = pt, ct
@@ -304,12 +306,3 @@ class OpenAIBatchJudge(OpenAIJudge):
         if len(judgment.raw_texts) > reasks_before + 1:
             self.counts["rows_reasked_live"] += 1
         return judgment
-
-
-def _token_count(reported: Any, estimate: int) -> int:
-    """The server's token count when it is one (a positive integer), else `estimate`."""
-    if isinstance(reported, int) and not isinstance(reported, bool) and reported > 0:
-        return reported
-    if isinstance(reported, float) and reported.is_integer() and reported > 0:
-        return int(reported)
-    return estimate

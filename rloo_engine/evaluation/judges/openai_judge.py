@@ -7,9 +7,10 @@ through the official openai client.
 
 Every retry is visible and bounded here: 429, 408/409, 5xx, timeouts and connection errors back off
 exponentially with jitter (honouring `Retry-After`) up to `max_attempts`, then the judgment is an
-`api_error`. 401, 403 and 404 raise `JudgeEndpointError` at once, since every other request would
-fail the same way. A semaphore bounds the requests in flight, and an optional limiter spaces them
-to a requests-per-minute rate.
+`api_error`. 401, 403, 404 and a 429 whose code is `insufficient_quota` raise `JudgeEndpointError` at
+once, since every other request would fail the same way. A refusal (`content: null`) is the judge's
+answer, not a transient failure: a `parse_error` at once, neither retried nor re-asked. A semaphore
+bounds the requests in flight, and an optional limiter spaces them to a requests-per-minute rate.
 
 The API key lives only inside the clients; messages that might echo it are redacted.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,8 +34,11 @@ from rloo_engine.evaluation.judges.chat_http import (
     ConnectionBroken,
     HTTPStatusFailure,
     RequestTimedOut,
+    ResponseTooLarge,
+    auth_headers,
+    chat_completions_url,
 )
-from rloo_engine.evaluation.parsing import parse_verdict
+from rloo_engine.evaluation.parsing import PARSER_VERSION, parse_verdict
 from rloo_engine.evaluation.ratelimit import RateLimiter
 from rloo_engine.evaluation.retry import FATAL_STATUS, RETRYABLE_STATUS, RetryPolicy, retry_after_seconds
 from rloo_engine.evaluation.templates import JudgeTemplate
@@ -47,6 +52,10 @@ _FATAL_HINTS = {
     403: "the key has no access to this model or endpoint",
     404: "no such model or route; check judge.model and judge.base_url (most servers want a URL ending in /v1)",
 }
+_QUOTA_HINT = (
+    "insufficient_quota: the account's quota or credit is used up, and retrying cannot help; add credit or raise "
+    "the limit, then rerun (finished judgments are cached)"
+)
 
 
 class OpenAIJudge(Judge):
@@ -69,9 +78,15 @@ class OpenAIJudge(Judge):
         self._semaphore = asyncio.Semaphore(cfg.max_concurrency)
         self._limiter = RateLimiter(cfg.requests_per_minute)
         self._secret = api_key
-        # "EMPTY": compatible servers without auth still get a well-formed header.
+        # Like the openai client: the account headers come from the environment unless the config names them.
+        headers = auth_headers(
+            api_key,
+            cfg.api_key_header,
+            cfg.organization or os.environ.get("OPENAI_ORG_ID"),
+            cfg.project or os.environ.get("OPENAI_PROJECT_ID"),
+        )
         self._http = ChatHTTPClient(
-            f"{self.base_url.rstrip('/')}/chat/completions", api_key or "EMPTY", cfg.timeout_s, cfg.max_concurrency
+            chat_completions_url(self.base_url), headers, cfg.timeout_s, cfg.max_concurrency, cfg.max_response_bytes
         )
         # Set by the first budget stop or fatal endpoint error; no request starts after it.
         self._stopped: EvaluationError | None = None
@@ -142,6 +157,7 @@ class OpenAIJudge(Judge):
 
     async def _verdict(self, judgment: Judgment, messages: list[dict[str, str]], text: str) -> Judgment:
         """Parses the first reply `text`; re-asks once (live) when it does not parse."""
+        judgment.parser_version = PARSER_VERSION
         judgment.raw_texts.append(text)
         verdict = parse_verdict(text, self.template.verdict_prefix)
         if verdict is None and self.reask:
@@ -161,8 +177,20 @@ class OpenAIJudge(Judge):
             judgment.verdict = verdict
         return judgment
 
+    def reparse(self, judgment: Judgment) -> bool:
+        if judgment.status != "parse_error" or judgment.parser_version == PARSER_VERSION:
+            return False
+        judgment.parser_version = PARSER_VERSION
+        # The first reply that parses wins, as it would have live (a re-ask is only sent when the first fails).
+        prefix = self.template.verdict_prefix
+        verdict = next((v for text in judgment.raw_texts if (v := parse_verdict(text, prefix)) is not None), None)
+        if verdict is not None:
+            judgment.status, judgment.verdict, judgment.error = "ok", verdict, None
+        return True
+
     async def _complete(self, messages: list[dict[str, str]], judgment: Judgment) -> str | None:
-        """The reply text, or None after marking `judgment` as an api_error. Raises on fatal errors."""
+        """The reply text, or None after marking `judgment` as an api_error (or, for a refusal, a parse_error).
+        Raises on fatal errors."""
         prompt_chars = sum(len(m["content"]) for m in messages)
         error = ""
         for attempt in range(1, self.retry.max_attempts + 1):
@@ -179,14 +207,19 @@ class OpenAIJudge(Judge):
                 except HTTPStatusFailure as err:
                     self._reached = True
                     status = err.status_code
-                    if status in FATAL_STATUS:
-                        self._stopped = JudgeEndpointError(self._fatal_message(status, err.message))
+                    hint = fatal_hint(err)
+                    if hint is not None:
+                        self._stopped = JudgeEndpointError(self._fatal_message(status, err.message, hint))
                         raise self._stopped from None
                     error = f"HTTP {status}: {redact(err.message, self._secret)[:300]}"
                     if status not in RETRYABLE_STATUS:
                         judgment.status, judgment.error = "api_error", error
                         return None
                     retry_after = retry_after_seconds(err.headers)
+                except ResponseTooLarge as err:
+                    self._reached = True
+                    judgment.status, judgment.error = "api_error", f"{err} (judge.max_response_bytes)"
+                    return None
                 except RequestTimedOut:
                     error = f"timed out after {self.timeout_s:g}s"
                 except ConnectFailed as err:
@@ -197,11 +230,18 @@ class OpenAIJudge(Judge):
                     error = f"connection error: {redact(str(err), self._secret)[:300]}"
                 else:
                     self._reached = True
+                    refusal = _refusal(response)
+                    if refusal is not None:
+                        self._record_usage(response, prompt_chars, refusal, judgment)  # a refusal is billed too
+                        judgment.status = "parse_error"
+                        judgment.error = f"the judge refused to answer: {redact(refusal, self._secret)[:300]}"
+                        return None
                     # Text from the endpoint is stored (table, cache) and logged: never with the key in it.
                     text = _reply_text(response)
                     if text is not None and text.strip():
                         text = redact(text, self._secret)
                         self._record_usage(response, prompt_chars, text, judgment)
+                        judgment.served_model = served_model(response)
                         return text
                     if text is None:
                         shown = redact(str(response), self._secret)[:200]
@@ -242,8 +282,10 @@ class OpenAIJudge(Judge):
 
     def _record_usage(self, response: dict[str, Any], prompt_chars: int, text: str, judgment: Judgment) -> None:
         usage = response.get("usage") or {}
-        if isinstance(usage.get("prompt_tokens"), int):
-            prompt_tokens, completion_tokens = usage["prompt_tokens"], int(usage.get("completion_tokens") or 0)
+        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            # a non-numeric completion count (seen from compatible servers) is estimated, not a crash
+            prompt_tokens = usage["prompt_tokens"]
+            completion_tokens = token_count(usage.get("completion_tokens"), math.ceil(len(text) / 4))
         else:
             # Some compatible servers omit usage; estimate (~4 characters per token) so budgets still count.
             if not self._warned_no_usage:
@@ -254,15 +296,50 @@ class OpenAIJudge(Judge):
         judgment.prompt_tokens += prompt_tokens
         judgment.completion_tokens += completion_tokens
 
-    def _fatal_message(self, status: int, detail: str) -> str:
+    def _refused_message(self, status: int, detail: str) -> str:
+        """The fatal message for a refused status (401/403/404) with its standard hint (the Batch API's calls)."""
+        return self._fatal_message(status, detail, _FATAL_HINTS.get(status, "the endpoint refused the call"))
+
+    def _fatal_message(self, status: int, detail: str, hint: str) -> str:
         detail = redact(str(detail), self._secret)[:300]
-        return (
-            f"judge endpoint {self.base_url} refused model {self.model!r}: HTTP {status}: {detail} "
-            f"({_FATAL_HINTS[status]})"
-        )
+        return f"judge endpoint {self.base_url} refused model {self.model!r}: HTTP {status}: {detail} ({hint})"
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+
+def fatal_hint(err: HTTPStatusFailure) -> str | None:
+    """Why no retry of `err` can succeed, for the error message; None when a retry might."""
+    if err.status_code == 429 and err.code == "insufficient_quota":
+        return _QUOTA_HINT
+    return _FATAL_HINTS[err.status_code] if err.status_code in FATAL_STATUS else None
+
+
+def _refusal(response: Any) -> str | None:
+    """What a chat completion that declines to answer says (its `refusal`, else its finish_reason); None otherwise.
+
+    A refusal has `content: null` (the refusal text, if any, in `refusal`); asking again at the same temperature
+    gets the same answer, so it is not retried like an empty string reply."""
+    try:
+        message = response["choices"][0]["message"]
+    except (TypeError, KeyError, IndexError):
+        return None
+    if not isinstance(message, dict):
+        return None
+    refusal = message.get("refusal")
+    if isinstance(message.get("content"), str) and message["content"].strip():
+        return None  # an answer, whatever else the message carries
+    if isinstance(refusal, str) and refusal.strip():
+        return refusal
+    if "content" in message and message["content"] is None:
+        return f"no content (finish_reason {_finish_reason(response)!r})"
+    return None
+
+
+def served_model(response: Any) -> str | None:
+    """The `model` a chat completion says served it: the dated snapshot behind an alias such as `gpt-4o`."""
+    model = response.get("model") if isinstance(response, dict) else None
+    return model if isinstance(model, str) and model else None
 
 
 def _reply_text(response: Any) -> str | None:
@@ -279,3 +356,12 @@ def _finish_reason(response: Any) -> Any:
         return response["choices"][0].get("finish_reason")
     except (TypeError, KeyError, IndexError, AttributeError):
         return None
+
+
+def token_count(reported: Any, estimate: int) -> int:
+    """The server's token count when it is one (a positive integer), else `estimate`."""
+    if isinstance(reported, int) and not isinstance(reported, bool) and reported > 0:
+        return reported
+    if isinstance(reported, float) and reported.is_integer() and reported > 0:
+        return int(reported)
+    return estimate
