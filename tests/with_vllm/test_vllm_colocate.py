@@ -1,0 +1,130 @@
+"""The colocate backend against real vLLM on CPU: token-id prompts, rollout layout, stop ids, and weight sync
+that vLLM really samples from (checked against HF greedy decoding of the same weights)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rloo_engine.generation import SamplingParams
+from rloo_engine.generation_vllm import VLLMColocateBackend
+from rloo_engine.testing import tiny_models
+from tests.engine.helpers import repo_pythonpath
+
+PROMPTS = ["the cat sat on", "a big red fox jumps over the"]
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tok(vllm_policy):
+    return AutoTokenizer.from_pretrained(vllm_policy)
+
+
+@pytest.fixture(scope="module")
+def greedy(vllm_policy, tok):
+    """One vLLM engine for the module, greedy, stopping at EOS only after NEW_TOKENS."""
+    params = SamplingParams(max_completion_length=NEW_TOKENS, temperature=0.0, max_prompt_length=500,
+                            eos_token_ids=(tok.eos_token_id,))
+    return VLLMColocateBackend(str(vllm_policy), tok, params, seed=0, dtype="float32", position_limit=512)
+
+
+def hf_greedy(model, tok, prompt: str) -> list[int]:
+    ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    new = out[0, ids.shape[1]:].tolist()
+    return new[: new.index(tok.eos_token_id) + 1] if tok.eos_token_id in new else new
+
+
+def vllm_completions(backend, tok, n: int = 1) -> list[list[int]]:
+    rollout = backend.generate(PROMPTS, n)
+    return [row[mask.bool()].tolist() for row, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+
+
+def test_max_model_len_is_capped_at_the_model_positions(greedy):
+    # 500 prompt + 8 completion tokens fit; a 512-token prompt budget + 16 would not (vLLM refuses > 512)
+    assert greedy.llm.llm_engine.model_config.max_model_len == 508
+
+
+def test_rollout_layout_from_real_vllm(greedy, tok):
+    greedy.params.temperature = 1.0  # training samples (vLLM refuses n > 1 when greedy)
+    try:
+        rollout = greedy.generate(PROMPTS, 2)
+    finally:
+        greedy.params.temperature = 0.0
+    assert rollout.prompt_ids.shape[0] == rollout.completion_ids.shape[0] == 4
+    prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    for row, ids in zip(range(4), [prompt_ids[0]] * 2 + [prompt_ids[1]] * 2):  # G rows per prompt, left-padded
+        assert rollout.prompt_ids[row][rollout.prompt_mask[row].bool()].tolist() == ids
+    assert (rollout.completion_mask.sum(1) <= NEW_TOKENS).all() and (rollout.completion_mask.sum(1) >= 1).all()
+
+
+def test_vllm_samples_from_the_weights_it_was_synced_with(greedy, vllm_policy, tok):
+    model = AutoModelForCausalLM.from_pretrained(vllm_policy, dtype=torch.float32).eval()
+    greedy.sync_weights(model)
+    before = vllm_completions(greedy, tok)
+    assert before == [hf_greedy(model, tok, p) for p in PROMPTS]  # vLLM decodes what HF decodes
+
+    torch.manual_seed(5)
+    with torch.no_grad():  # a different policy: every weight moved
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    greedy.sync_weights(model)
+    after = vllm_completions(greedy, tok)
+    assert after != before
+    assert after == [hf_greedy(model, tok, p) for p in PROMPTS]
+
+
+def test_lora_sync_merges_the_adapter_into_what_vllm_samples(greedy, vllm_policy, tok):
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(vllm_policy, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
+                                            init_lora_weights=False, lora_alpha=64))
+    greedy.sync_weights(model)
+    merged = model.merge_and_unload()
+    assert vllm_completions(greedy, tok) == [hf_greedy(merged, tok, p) for p in PROMPTS]
+
+
+def test_every_eos_id_ends_a_completion(vllm_policy, tok, greedy):
+    """vLLM stops at every id in `stop_token_ids`; the rollout calls those completions terminated."""
+    model = AutoModelForCausalLM.from_pretrained(vllm_policy, dtype=torch.float32).eval()
+    greedy.sync_weights(model)
+    first = vllm_completions(greedy, tok)[0]
+    stop = first[2]  # the third greedy token of prompt 0, made an EOS id
+    greedy.eos_ids = [tok.eos_token_id, stop]
+    try:
+        rollout = greedy.generate(PROMPTS[:1], 1)
+    finally:
+        greedy.eos_ids = [tok.eos_token_id]
+    assert rollout.terminated.tolist() == [True]
+    assert rollout.completion_ids[0][rollout.completion_mask[0].bool()].tolist() == first[: first.index(stop) + 1]
+
+
+def test_train_with_use_vllm_on_a_512_position_model(vllm_policy, tmp_path):
+    """The reproduction: default max_prompt_length 512 + 16 completion tokens on a 512-position model died in
+    vLLM's ModelConfig before step 1, and the weight sync after step 1 raised AttributeError."""
+    prompts = tiny_models.write_prompt_file(tmp_path / "prompts.jsonl")
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rloo_engine", "train", "--model_name_or_path", str(vllm_policy), "--dataset_name",
+         str(prompts), "--reward_funcs", "rloo_engine.reward_functions:brevity", "--output_dir", str(out),
+         "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "16",
+         "--learning_rate", "1e-2", "--max_steps", "3", "--logging_steps", "1", "--use_vllm", "true",
+         "--disable_tqdm", "true"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "prompts keep their last 496 tokens" in proc.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # the policy changed, and vLLM sampled from it: completions of step 3 differ from step 1's in length
+    assert len({r["completions/mean_length"] for r in rows}) > 1 or rows[0]["reward"] != rows[-1]["reward"]
