@@ -73,6 +73,7 @@ def demo_config(assets, home: Path, smoke: bool) -> dict[str, Any]:
         "evaluation": {
             "judge": {"backend": "python", "function": "rloo_engine.demo.toy_task:gold_judge"},
             "num_samples": 16 if smoke else 192,
+            "trace_judgments": 200,  # the UI example; 576 would add ~1 min on 2 cores (0.1 s per trace)
             "generation": settings.SMOKE_EVAL_GENERATION if smoke else settings.DEMO_EVAL_GENERATION,
             "progress": True,
         },
