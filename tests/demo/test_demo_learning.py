@@ -34,7 +34,9 @@ def test_the_pipeline_trains_a_policy_that_beats_sft(tmp_path):
     ensure_experiment(uri, "rloo-demo", tmp_path / "mlartifacts")
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PREFECT_HOME": str(tmp_path / "prefect"),
            "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{tmp_path / 'prefect' / 'prefect.db'}",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+           # as the demo allows: the ephemeral server's 20 s default timed out in CI beside a pip install
+           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
     env.pop("PREFECT_API_URL", None)
     proc = subprocess.run([sys.executable, "-m", "flows.rlhf_pipeline", "--config", str(config), "--json"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=1200)
