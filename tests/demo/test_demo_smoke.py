@@ -17,7 +17,9 @@ REPO = Path(__file__).resolve().parents[2]
 def test_demo_smoke_prints_summary_and_records_every_stage(tmp_path):
     home = tmp_path / "demo"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
-    env["MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"] = "0.2"  # smoke training lasts about a second
+    # Smoke training lasts about a second. MLflow's monitor publishes a sample only after a full interval, so a
+    # monitor thread started late on a loaded machine (CI, beside a pip install) logged nothing at 0.2 s.
+    env["MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"] = "0.05"
     proc = subprocess.run([sys.executable, "-m", "flows.demo", "--smoke", "--home", str(home)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
