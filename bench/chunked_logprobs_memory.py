@@ -30,7 +30,7 @@ PATHS = ("full", "chunked")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, nargs="+", default=[512, 2048, 4096], help="hidden sizes H")
-    p.add_argument("--vocab", type=int, nargs="+", default=[32000, 151936], help="vocabulary sizes V")
+    p.add_argument("--vocab", type=int, nargs="+", default=[512, 32000, 151936], help="vocabulary sizes V")
     p.add_argument("--positions", type=int, nargs="+", default=[128, 512],
                    help="completion tokens per micro-batch, B x T (16 x 8 and 16 x 32 by default: short completions)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",

@@ -83,6 +83,19 @@ def config_values(files: EvalFiles, base_url: str, out: Path, **overrides: Any) 
 
 
 # ---------------------------------------------------------------- python-judge rules ("eval_helpers:<name>")
+def recreate_first_batch(server, token: str):
+    """Creates the fake server's first batch again, as a killed run had created it: the same rows through the
+    Files + Batches endpoints, tagged with the run's submission token. Returns the created batch."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.base_url, api_key=API_KEY)
+    rows = list(server.batch_api.batches.values())[0].rows
+    upload = client.files.create(file=("b.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode()),
+                                 purpose="batch")
+    return client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                 metadata={"rloo_token": token})
+
+
 def marker_rule(prompt: str, answer_a: str, answer_b: str) -> str:
     """An answer with "[win]" wins; two "[tie]" answers tie; otherwise the longer answer wins."""
     a_wins, b_wins = "[win]" in answer_a, "[win]" in answer_b

@@ -20,7 +20,7 @@ from rloo_engine.evaluation import BudgetExceededError, ConfigError, EvalConfig,
 from rloo_engine.evaluation.config import build_eval_config
 from rloo_engine.evaluation.result_checks import UntrustworthyResultError
 from tests.engine.helpers import repo_pythonpath
-from tests.evaluation.eval_helpers import API_KEY, API_KEY_ENV, config_values, make_eval_files
+from tests.evaluation.eval_helpers import API_KEY, API_KEY_ENV, config_values, make_eval_files, recreate_first_batch
 
 REPO = Path(__file__).resolve().parents[2]
 BATCH = {"mode": "batch", "batch_poll_initial_s": 0.01, "batch_poll_max_s": 0.05}
@@ -126,16 +126,7 @@ def test_a_run_killed_before_it_recorded_the_batch_id_finds_its_batch_by_metadat
         token = db.execute("SELECT token FROM batches").fetchone()[0]
         ids = json.loads(db.execute("SELECT custom_ids FROM batches").fetchone()[0])
     # Create the batch the killed run had created, through the same fake endpoints and with its metadata.
-    client = openai.OpenAI(base_url=server.base_url, api_key=API_KEY)
-    rows = list(server.batch_api.batches.values())[0].rows
-    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
-    upload = client.files.create(file=("b.jsonl", data), purpose="batch")
-    created = client.batches.create(
-        input_file_id=upload.id,
-        endpoint="/v1/chat/completions",
-        completion_window="24h",
-        metadata={"rloo_token": token},
-    )
+    created = recreate_first_batch(server, token)
     with closing(sqlite3.connect(cfg.resolved_cache_path())) as db:
         db.execute("UPDATE batches SET batch_id = NULL, state = 'submitting'")
         db.commit()

@@ -11,7 +11,6 @@ import time
 import traceback
 from contextlib import closing
 
-import openai
 import pytest
 import yaml
 
@@ -25,7 +24,7 @@ from rloo_engine.evaluation.judges.base import SlotPair
 from rloo_engine.evaluation.result_checks import UntrustworthyResultError
 from rloo_engine.evaluation.templates import load_template
 from rloo_engine.testing.fake_openai_server import FakeReply, sensible, verdict_text
-from tests.evaluation.eval_helpers import API_KEY
+from tests.evaluation.eval_helpers import API_KEY, recreate_first_batch
 
 BATCH = {"mode": "batch", "batch_poll_initial_s": 0.01, "batch_poll_max_s": 0.05}
 
@@ -159,17 +158,7 @@ def _batch_of_an_interrupted_run(server, cfg, state: str) -> str:
     server.batch_api.expire_after_rows = None
     with closing(sqlite3.connect(cfg.resolved_cache_path())) as db:
         [token] = db.execute("SELECT token FROM batches").fetchone()
-    rows = list(server.batch_api.batches.values())[0].rows
-    client = openai.OpenAI(base_url=server.base_url, api_key=API_KEY)
-    upload = client.files.create(
-        file=("b.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode()), purpose="batch"
-    )
-    created = client.batches.create(
-        input_file_id=upload.id,
-        endpoint="/v1/chat/completions",
-        completion_window="24h",
-        metadata={"rloo_token": token},
-    )
+    created = recreate_first_batch(server, token)
     with closing(sqlite3.connect(cfg.resolved_cache_path())) as db:
         batch_id = None if state == "submitting" else created.id
         db.execute("UPDATE batches SET batch_id = ?, state = ?", (batch_id, state))
