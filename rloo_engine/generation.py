@@ -114,8 +114,9 @@ class GenerationBackend(Protocol):
         prompts need; prompts rendered by a chat template already contain them.
         """
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Makes the backend sample from `model`'s current weights (no-op when it samples from `model` itself)."""
+    def sync_weights(self, model: torch.nn.Module, step: int = 0) -> None:
+        """Makes the backend sample from `model`'s current weights, those of optimizer step `step` (no-op when
+        it samples from `model` itself)."""
 
 
 class HFGenerationBackend:
@@ -135,7 +136,7 @@ class HFGenerationBackend:
         self.record_logps = record_logps  # fill Rollout.sampling_logps while decoding
         self.eos_ids = params.eos_token_ids or (tokenizer.eos_token_id,)
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
+    def sync_weights(self, model: torch.nn.Module, step: int = 0) -> None:
         return None
 
     @property

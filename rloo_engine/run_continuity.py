@@ -22,6 +22,8 @@ RESUMABLE_CHANGES = frozenset({
     "max_steps", "num_train_epochs", "logging_steps", "save_steps", "save_total_limit", "log_completions",
     "num_completions_to_print", "disable_tqdm", "output_dir", "run_name", "resume_from_checkpoint",
     "overwrite_output_dir", "reward_source_max_empty_steps", "attn_implementation",
+    # where the vLLM server is, not what it computes: a resume may find it restarted elsewhere
+    "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
 })
 # Options that name a file or directory: a run directory and its data may be moved or copied, so these compare
 # by content (`content_fingerprint`) rather than by path.

@@ -150,13 +150,18 @@ class RLOOTrainer:
                               tuple(self.model_eos_ids))
 
     def _default_backend(self) -> GenerationBackend:
-        if self.cfg.use_vllm:
+        c = self.cfg
+        if c.use_vllm and c.vllm_mode == "server":
+            from rloo_engine.generation_vllm_server import VLLMServerBackend
+
+            return VLLMServerBackend(c.vllm_server_url, self.tokenizer, self._sampling_params(), self.acc,
+                                     c.vllm_server_timeout, c.vllm_group_port, c.seed)
+        if c.use_vllm:
             from rloo_engine.generation_vllm import VLLMColocateBackend
 
-            return VLLMColocateBackend(self.cfg.model_name_or_path, self.tokenizer, self._sampling_params(),
-                                       self.cfg.vllm_gpu_memory_utilization, self.cfg.vllm_tensor_parallel_size,
-                                       self.cfg.seed + self.acc.process_index, self.cfg.dtype,
-                                       position_limit=self.position_limit)
+            return VLLMColocateBackend(c.model_name_or_path, self.tokenizer, self._sampling_params(),
+                                       c.vllm_gpu_memory_utilization, c.vllm_tensor_parallel_size,
+                                       c.seed + self.acc.process_index, c.dtype, position_limit=self.position_limit)
         return HFGenerationBackend(lambda: self.acc.unwrap_model(self.policy), self.tokenizer, self._sampling_params(),
                                    gather=lambda: full_weights_for_generation(self.acc, self.policy),
                                    record_logps=self._record_decoding_logprobs())
@@ -333,6 +338,8 @@ class RLOOTrainer:
                 self.logger.finish("KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED")
             raise
         finally:
+            if hasattr(self.backend, "close"):
+                self.backend.close()  # e.g. leave the vLLM server's weight-transfer group, for the next run
             if self.run_lock is not None:
                 self.run_lock.release()
 
@@ -344,6 +351,8 @@ class RLOOTrainer:
             ckpt.remove_partial_writes(out)  # a killed run's .tmp-checkpoint-N; the lock says none is being written
             save_config(c, out / "config.yaml")
         start_step = self._maybe_resume()
+        if start_step == 0 and getattr(self.backend, "starts_with_model_weights", False):
+            self.synced_step = 0  # it loaded model_name_or_path itself: nothing has changed yet
         crash_at = crash_step()
         micro_per_batch = self.steps_per_generation * c.num_iterations
         bar = progress_bar(total=self.total_steps, initial=self.global_step, desc="rloo", unit="step",
@@ -354,7 +363,7 @@ class RLOOTrainer:
             if self.batch is None or self.cursor == micro_per_batch:
                 if self.synced_step != self.global_step:  # e.g. a vLLM backend holds its own weights
                     with self._timed("weight_sync"):
-                        self.backend.sync_weights(self.acc.unwrap_model(self.policy))
+                        self.backend.sync_weights(self.acc.unwrap_model(self.policy), step=self.global_step)
                     self.synced_step = self.global_step
                 self.batch, self.cursor = self.generation_step(), 0
             mb = self.batch.micro_batch(self.cursor % self.steps_per_generation, c.per_device_train_batch_size)
@@ -393,6 +402,10 @@ class RLOOTrainer:
                 crash(crash_at)
             step_start = time.perf_counter()  # after logging and saving, so they are not billed to the next step
         bar.close()
+        if getattr(self.backend, "serves_after_training", False) and self.synced_step != self.global_step:
+            with self._timed("weight_sync"):  # a server outlives the run: leave it serving the trained policy
+                self.backend.sync_weights(self.acc.unwrap_model(self.policy), step=self.global_step)
+            self.synced_step = self.global_step
         final = ckpt.save_final(self.acc, self.policy, self.tokenizer, out, self._fresh_policy)
         self._finish_logging(out)
         return TrainResult(self.global_step, final, self.logger.path, last, self.logger.run_id)

