@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from rloo_engine.config_base import ConfigError
@@ -72,3 +73,12 @@ def test_a_completion_longer_than_the_model_positions_is_refused_before_loading(
     with pytest.raises(ConfigError, match=r"max_completion_length: 512, but .* has max_position_embeddings 512; "
                                           r"expected at most 511"):
         check_completion_fits(cfg, 512)
+
+
+def test_rollout_carries_the_generators_logps_zero_where_masked():
+    rollout = _to_rollout([[5]], [[7, EOS], [8, 9, 10]], 2, PAD, [EOS],
+                          logps=[[-0.5, -0.25], [-1.0, -2.0, -3.0]])
+    assert rollout.generator_logps.dtype == torch.float32
+    assert rollout.generator_logps.tolist() == [[-0.5, -0.25, 0.0], [-1.0, -2.0, -3.0]]
+    assert _to_rollout([[5]], [[7]], 1, PAD, [EOS]).generator_logps is None  # none reported, none invented
+
