@@ -26,8 +26,8 @@ class ReportingGenerator:
         reported = (rollout.sampling_logps - self.offset) * rollout.completion_mask
         return replace(rollout, sampling_logps=None, generator_logps=reported)
 
-    def sync_weights(self, model) -> None:
-        return None
+    def sync_weights(self, model, **_) -> None:
+        return None  # samples from the trainer's own model
 
 
 def run(tmp_path, model, offset: float, **overrides) -> list[dict]:
