@@ -1,12 +1,17 @@
 """The RLOO math (Ahmadian et al. 2024) as small pure tensor functions: no I/O, no config, no accelerate.
 
 Notation: B sequences in a micro-batch, T completion tokens, V vocabulary, G completions per prompt,
-N = num_prompts * G sequences in a generation batch.
+N = num_prompts * G sequences in a generation batch. pi_theta is the policy being updated, pi_old the
+sampling policy as the trainer computes it, mu the distribution an external generator (vLLM) sampled from.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def token_log_probs(
@@ -129,6 +134,78 @@ def clipped_sequence_loss(
     denominator = weights.sum().clamp(min=1) if normalizer is None else normalizer
     loss = -(objective * weights).sum() / denominator
     return loss, ratio.detach()
+
+
+def logprob_difference_stats(trainer_logps: torch.Tensor, generator_logps: torch.Tensor,
+                             mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Mean and max of |log pi_old(o_t) - log mu(o_t)| over real completion tokens (TRL's sampling_logp_difference).
+
+    All inputs (B, T); returns scalar tensors `mean`, `max` (NaN when the mask is empty).
+    """
+    delta = (trainer_logps.detach() - generator_logps).abs()[mask.bool()]
+    if delta.numel() == 0:
+        nan = torch.tensor(float("nan"), device=delta.device)
+        return {"mean": nan, "max": nan}
+    return {"mean": delta.mean(), "max": delta.max()}
+
+
+@torch.no_grad()
+def generator_importance_weights(
+    trainer_logps: torch.Tensor,
+    generator_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    clip_min: float | None,
+    clip_max: float | None,
+) -> torch.Tensor:
+    """Truncated or masked importance weights pi_old / mu, correcting for sampling from mu instead of pi_old.
+
+    trainer_logps, generator_logps, mask: (B, T). Returns, without gradient:
+    token_* modes (B, T): w_t = pi_old(o_t) / mu(o_t), 0 where masked;
+    sequence_* modes (B, 1): w = prod_t pi_old(o_t) / mu(o_t) over the real tokens.
+    *_truncate clamps the ratio to [clip_min, clip_max]; *_mask sets a ratio outside them to 0 (TRL's GRPO).
+    A bound of None is no bound. With pi_old == mu every weight is exactly 1.
+    """
+    if mode not in IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(f"mode: {mode!r}; expected one of {IMPORTANCE_SAMPLING_MODES}")
+    log_ratio = (trainer_logps - generator_logps) * mask
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(-1, keepdim=True)
+    ratio = torch.exp(log_ratio)
+    if mode.endswith("truncate"):
+        ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
+    else:
+        low = -math.inf if clip_min is None else clip_min
+        high = math.inf if clip_max is None else clip_max
+        ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    return ratio * mask if mode.startswith("token") else ratio
+
+
+def importance_weighted_sequence_log_probs(token_logps: torch.Tensor, weights: torch.Tensor,
+                                           mask: torch.Tensor) -> torch.Tensor:
+    """sum_t log pi_theta(o_t) in value, sum_t w_t grad log pi_theta(o_t) in gradient.
+
+    token_logps: (B, T) with gradient; weights: (B, T) or (B, 1) without (`generator_importance_weights`);
+    mask: (B, T). Returns (B,), bit-equal in value to `sequence_log_probs`, so the sequence ratio rho and its
+    clip are unchanged. Through rho = exp(sum - old) the unclipped gradient of rho_i A_i becomes
+    rho_i A_i sum_t w_t grad log pi_theta(o_t): each token's score-function term weighted by its own
+    importance weight (token modes) or every term by the sequence's (sequence modes, the same as
+    multiplying the sequence's objective by w).
+    """
+    detached = token_logps.detach()
+    return ((detached + weights * (token_logps - detached)) * mask).sum(-1)
+
+
+def importance_weight_stats(weights: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """min / mean / max of importance weights: over real tokens for (B, T) weights, over rows for (B, 1).
+
+    TRL's `sampling/importance_sampling_ratio/{min,mean,max}`. Returns scalar tensors (NaN when empty).
+    """
+    values = weights[mask.bool()] if weights.shape == mask.shape else weights.flatten()
+    if values.numel() == 0:
+        nan = torch.tensor(float("nan"), device=weights.device)
+        return {"min": nan, "mean": nan, "max": nan}
+    return {"min": values.min(), "mean": values.mean(), "max": values.max()}
 
 
 def clip_ratio_metrics(

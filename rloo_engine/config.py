@@ -184,6 +184,38 @@ class RLOOConfig(StrictModel):
     vllm_group_port: int = F(
         51216, "Server mode: the port on the server host of the weight-transfer group's store (TRL's name).",
         ge=1, le=65535)
+    vllm_importance_sampling_correction: bool = F(
+        False,
+        "Correct the loss for the mismatch between the distribution vLLM sampled from and the trainer's: each "
+        "completion's gradient is weighted by the truncated (or masked) importance weight pi_old / pi_vllm, where "
+        "pi_old is the trainer's own forward pass at the sampling weights and pi_vllm is vLLM's reported log-prob "
+        "of the sampled token (docs/architecture.md, \"vLLM log-prob mismatch\"). The mismatch itself "
+        "(`vllm/logprob_diff_mean`, `vllm/logprob_diff_max`) is logged with `use_vllm` whether or not this is on. "
+        "TRL's GRPO defaults to true; here false, so a config without vLLM stays valid and existing vLLM runs keep "
+        "their trajectory. Needs `use_vllm: true`.",
+    )
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = F(
+        "sequence_mask",
+        "How the importance weights are formed (TRL's names and default). `token_*`: one weight per token, "
+        "pi_old(o_t) / pi_vllm(o_t), weighting that token's term of the policy gradient; `sequence_*`: one weight per "
+        "completion, the product over its tokens, weighting the whole completion. `*_truncate` clamps a weight to "
+        "[`vllm_importance_sampling_clip_min`, `vllm_importance_sampling_clip_max`]; `*_mask` sets a weight outside "
+        "that range to 0 (the token or completion gets no gradient). Sequence weights compound per-token "
+        "differences over the length, so long completions hit the bounds first.",
+    )
+    vllm_importance_sampling_clip_max: float | None = F(
+        3.0,
+        "Upper bound C_max of the importance weights (TRL's name and default; TRL's deprecated "
+        "`vllm_importance_sampling_cap`). Truncate modes clamp to it, mask modes zero anything above it. None = "
+        "no upper bound.",
+        gt=0.0,
+    )
+    vllm_importance_sampling_clip_min: float | None = F(
+        None,
+        "Lower bound C_min of the importance weights (TRL's name and default). Truncate modes clamp to it, mask "
+        "modes zero anything below it. None = no lower bound.",
+        gt=0.0,
+    )
     generation_kwargs: dict[str, Any] = F({}, "Extra keyword arguments for the generation backend (override the above).")
     chat_template_kwargs: dict[str, Any] = F(
         {}, "Extra keyword arguments for `apply_chat_template` on conversational prompts (e.g. `enable_thinking`)."
@@ -307,6 +339,8 @@ class RLOOConfig(StrictModel):
         if self.vllm_server_base_url is not None and not self.vllm_server_base_url.startswith(("http://", "https://")):
             raise ValueError(f"vllm_server_base_url: {self.vllm_server_base_url!r}; expected an http:// or https:// "
                              "URL such as http://127.0.0.1:8000")
+        if self.vllm_importance_sampling_correction:
+            self._check_importance_sampling()
         if self.bf16 and self.fp16:
             raise ValueError("bf16 and fp16: both true; choose one mixed-precision mode")
         if self.sync_ref_model and (self.use_peft or self.beta == 0):
@@ -323,6 +357,23 @@ class RLOOConfig(StrictModel):
         if self.lr_scheduler_type not in _SCHEDULERS:
             raise ValueError(f"lr_scheduler_type: {self.lr_scheduler_type!r}; expected one of {sorted(_SCHEDULERS)}")
         return self
+
+    def _check_importance_sampling(self) -> None:
+        if not self.use_vllm:
+            raise ValueError(
+                "vllm_importance_sampling_correction: true without use_vllm: true; the weights correct for vLLM's "
+                "sampling, and the HF backend samples from the trainer's own policy"
+            )
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and high is not None and low >= high:
+            raise ValueError(
+                f"vllm_importance_sampling_clip_min: {low} is not below vllm_importance_sampling_clip_max: {high}"
+            )
+        if self.vllm_importance_sampling_mode.endswith("truncate") and low is None and high is None:
+            raise ValueError(
+                f"vllm_importance_sampling_mode: {self.vllm_importance_sampling_mode!r} with neither "
+                "vllm_importance_sampling_clip_min nor vllm_importance_sampling_clip_max set; a truncation needs a bound"
+            )
 
     # ---------------------------------------------------------------- derived values
     @property

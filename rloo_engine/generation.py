@@ -25,7 +25,11 @@ class Rollout:
     prompt_ids, prompt_mask: (N, P) left-padded; completion_ids: (N, T) with pad after the first EOS;
     completion_mask: (N, T) 1 up to and including the first EOS; terminated: (N,) bool.
     sampling_logps: (N, T) float32 log pi(o_t) at the sampling temperature, recorded while decoding
-    (0 where masked), or None when the backend did not record them.
+    (0 where masked), or None when the backend did not record them. The trainer uses them as pi_old.
+    generator_logps: (N, T) float32 log-prob an external generator (vLLM) reported for each sampled token at
+    the sampling temperature (after its processors: vLLM's processed log-probs), 0 where masked; None from the
+    HF backend. Never pi_old: the trainer compares them with its own forward pass (the mismatch metrics) and
+    forms importance weights from them (`vllm_importance_sampling_correction`).
     """
 
     prompt_ids: torch.Tensor
@@ -34,6 +38,7 @@ class Rollout:
     completion_mask: torch.Tensor
     terminated: torch.Tensor
     sampling_logps: torch.Tensor | None = None
+    generator_logps: torch.Tensor | None = None
 
 
 class SampledTokenLogProbs(LogitsProcessor):

@@ -2,7 +2,8 @@
 
 `vllm` is an optional extra (`pip install 'rloo-pipeline[vllm]'`) imported only when this backend
 is built. After every optimizer step the trainer calls `sync_weights`, which copies the policy's
-weights into vLLM's model (LoRA merged first) and drops vLLM's prefix cache.
+weights into vLLM's model (LoRA merged first) and drops vLLM's prefix cache. Each rollout carries vLLM's
+log-prob of every sampled token (`Rollout.generator_logps`), which the trainer compares with its own.
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ class VLLMColocateBackend:
             max_len = min(max_len, position_limit)
         self.llm = vllm.LLM(model=model_path, gpu_memory_utilization=gpu_memory_utilization,
                             tensor_parallel_size=tensor_parallel_size, seed=seed, dtype=dtype,
-                            max_model_len=max_len, enable_prefix_caching=True)
+                            max_model_len=max_len, enable_prefix_caching=True,
+                            # The sampled token's log-prob after temperature (and vLLM's other processors), the
+                            # distribution it was drawn from; raw_logprobs (the default) would be at temperature 1.
+                            logprobs_mode="processed_logprobs")
 
     def _sampling_params(self, n: int):
         p = self.params
@@ -46,6 +50,7 @@ class VLLMColocateBackend:
                                       min_p=p.min_p or 0.0, repetition_penalty=p.repetition_penalty,
                                       max_tokens=p.max_completion_length, stop_token_ids=self.eos_ids)
         kwargs.update(p.extra or {})
+        kwargs["logprobs"] = 0  # 0 alternatives: just the sampled token's log-prob, which the trainer needs
         return self.vllm.SamplingParams(**kwargs)
 
     @torch.no_grad()
@@ -58,8 +63,11 @@ class VLLMColocateBackend:
         # Token ids, not text: vLLM then samples after exactly the prompt tokens the trainer scores.
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], self._sampling_params(num_generations),
                                     use_tqdm=False)
-        completions = [list(o.token_ids) for out in outputs for o in out.outputs]
-        return _to_rollout(ids, completions, num_generations, tok.pad_token_id, self.eos_ids)
+        samples = [o for out in outputs for o in out.outputs]
+        completions = [list(o.token_ids) for o in samples]
+        # o.logprobs[t] maps token id -> Logprob for position t; with logprobs=0 it holds the sampled token only.
+        logps = [[position[t].logprob for t, position in zip(o.token_ids, o.logprobs)] for o in samples]
+        return _to_rollout(ids, completions, num_generations, tok.pad_token_id, self.eos_ids, logps)
 
     @torch.no_grad()
     def sync_weights(self, model: torch.nn.Module, step: int = 0) -> None:
@@ -84,8 +92,11 @@ def vllm_weight_items(model: torch.nn.Module):
             model.unmerge_adapter()
 
 def _to_rollout(prompt_ids: list[list[int]], completions: list[list[int]], g: int, pad: int,
-                eos: list[int]) -> Rollout:
-    """Left-pads prompts, right-pads completions, repeats each prompt G times. Output as in `Rollout`."""
+                eos: list[int], logps: list[list[float]] | None = None) -> Rollout:
+    """Left-pads prompts, right-pads completions, repeats each prompt G times. Output as in `Rollout`.
+
+    logps: the generator's log-prob of each completion token (as long as its completion), or None; they become
+    `generator_logps`, 0 where masked."""
     P = max(len(p) for p in prompt_ids)
     T = max(1, max(len(c) for c in completions))
     prompt = torch.full((len(prompt_ids), P), pad, dtype=torch.long)
@@ -99,4 +110,11 @@ def _to_rollout(prompt_ids: list[list[int]], completions: list[list[int]], g: in
     mask, terminated = completion_mask(comp, eos)
     mask = mask * (comp >= 0).long()
     comp = torch.where(mask.bool(), comp, torch.full_like(comp, pad))
-    return Rollout(prompt.repeat_interleave(g, 0), pmask.repeat_interleave(g, 0), comp, mask, terminated)
+    generator_logps = None
+    if logps is not None:
+        generator_logps = torch.zeros((len(completions), T), dtype=torch.float32)
+        for i, row in enumerate(logps):
+            generator_logps[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+        generator_logps = torch.where(mask.bool(), generator_logps, torch.zeros_like(generator_logps))
+    return Rollout(prompt.repeat_interleave(g, 0), pmask.repeat_interleave(g, 0), comp, mask, terminated,
+                   generator_logps=generator_logps)

@@ -214,7 +214,8 @@ class VLLMServerBackend:
         results = self._on_main(lambda: self._complete_all([p for rank in everyone for p in rank], num_generations))
         start = sum(len(r) for r in everyone[: self.acc.process_index]) * num_generations
         mine = results[start: start + len(ids) * num_generations]
-        return _to_rollout(ids, [c for c, _ in mine], num_generations, tok.pad_token_id, self.eos_ids)
+        return _to_rollout(ids, [c for c, _ in mine], num_generations, tok.pad_token_id, self.eos_ids,
+                           [lp for _, lp in mine])
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()

@@ -24,6 +24,7 @@ class GenerationBatch:
     old_token_logps: (N, T) sampling-policy log-probs, None when fully on-policy.
     loss_normalizer: live rows per micro-batch, averaged over the batch; each micro-batch's loss is
     divided by it, so every live row weighs the same whichever micro-batch it falls in.
+    generator_logps: (N, T) the external generator's (vLLM's) log-probs of the sampled tokens, None with HF.
     """
 
     input_ids: torch.Tensor
@@ -34,11 +35,14 @@ class GenerationBatch:
     old_token_logps: torch.Tensor | None
     prompt_length: int
     loss_normalizer: float = 1.0
+    generator_logps: torch.Tensor | None = None
 
     def micro_batch(self, index: int, size: int) -> dict[str, Any]:
         rows = slice(index * size, (index + 1) * size)
         out = {k: v[rows] for k, v in asdict(self).items() if isinstance(v, torch.Tensor)}
-        out["old_token_logps"] = self.old_token_logps[rows] if self.old_token_logps is not None else None
+        for optional in ("old_token_logps", "generator_logps"):
+            value = getattr(self, optional)
+            out[optional] = value[rows] if value is not None else None
         out["prompt_length"] = self.prompt_length
         out["loss_normalizer"] = self.loss_normalizer
         return out

@@ -246,11 +246,15 @@ class RLOOTrainer:
         attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
         P, mask = rollout.prompt_ids.size(1), rollout.completion_mask
         old_logps, kl, token_kl_mean = None, torch.zeros_like(rewards), 0.0
+        # vLLM's log-probs are never pi_old: the trainer's own forward is (here, or on-policy the training forward's,
+        # detached), and `loss` compares the two. HF's decoding log-probs are the trainer's own, so they may be.
+        generator_logps = rollout.generator_logps
+        recorded_logps = rollout.sampling_logps if generator_logps is None else None
         with self._timed("reference"):
             if c.beta > 0 or not self.on_policy:
                 self.policy.eval()  # sampling-policy and reference log-probs, without dropout noise
                 try:
-                    old_logps = rollout.sampling_logps  # recorded while decoding (sampling_logprobs)
+                    old_logps = recorded_logps  # recorded while decoding (sampling_logprobs)
                     if old_logps is None:
                         with self.acc.autocast():  # as the reference below and the training forward
                             old_logps = batched_token_logps(self.policy, input_ids, attention_mask, P, c.temperature,
@@ -287,7 +291,8 @@ class RLOOTrainer:
         # Each live row weighs the same in its optimizer steps, however the masked rows fall into micro-batches.
         live_per_micro_batch = max(loss_weights.sum().item(), 1.0) / self.steps_per_generation
         return GenerationBatch(input_ids, attention_mask, mask, advantages, loss_weights,
-                               None if self.on_policy else old_logps, P, live_per_micro_batch)
+                               None if self.on_policy else old_logps, P, live_per_micro_batch,
+                               None if generator_logps is None else generator_logps.to(self.acc.device))
 
     def _record_generation_metrics(self, scored, rewards, valid, kl, token_kl_mean, rollout, G) -> None:
         w = self.window
@@ -317,6 +322,8 @@ class RLOOTrainer:
         mask = mb["completion_mask"]
         old = mb["old_token_logps"] if mb["old_token_logps"] is not None else token_logps.detach()
         seq_logps = A.sequence_log_probs(token_logps, mask)
+        if mb["generator_logps"] is not None:
+            seq_logps = self._generator_correction(token_logps, old, mb["generator_logps"], mask, seq_logps)
         loss, ratio = A.clipped_sequence_loss(seq_logps, A.sequence_log_probs(old, mask), mb["advantages"],
                                               c.epsilon, c.effective_epsilon_high, mb["loss_weights"],
                                               mb["loss_normalizer"])
@@ -326,6 +333,21 @@ class RLOOTrainer:
             self.window[f"clip_ratio/{k}"].append(v.item())
         self.window["loss"].append(loss.item())
         return loss
+
+    def _generator_correction(self, token_logps, old, generator_logps, mask, seq_logps) -> torch.Tensor:
+        """Logs how far the generator's (vLLM's) log-probs are from pi_old, the trainer's; with
+        `vllm_importance_sampling_correction`, returns the sequence log-probs whose gradient carries the weights."""
+        c = self.cfg
+        for k, v in A.logprob_difference_stats(old, generator_logps, mask).items():
+            self.window[f"vllm/logprob_diff_{k}"].append(v.item())
+        if not c.vllm_importance_sampling_correction:
+            return seq_logps
+        weights = A.generator_importance_weights(old, generator_logps, mask, c.vllm_importance_sampling_mode,
+                                                 c.vllm_importance_sampling_clip_min,
+                                                 c.vllm_importance_sampling_clip_max)
+        for k, v in A.importance_weight_stats(weights, mask).items():
+            self.window[f"sampling/importance_sampling_ratio/{k}"].append(v.item())
+        return A.importance_weighted_sequence_log_probs(token_logps, weights, mask)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> TrainResult:
@@ -414,9 +436,13 @@ class RLOOTrainer:
     def _log(self) -> dict[str, float]:
         """Means over the window since the last log, averaged over processes (rank 0 writes)."""
         names = sorted(self.window)
-        local = torch.tensor([_nanmean(self.window[k]) for k in names], device=self.acc.device, dtype=torch.float64)
+        local = torch.tensor([_window_value(k, self.window[k]) for k in names], device=self.acc.device,
+                             dtype=torch.float64)
         everyone = self.acc.gather(local.unsqueeze(0))  # (num_processes, K)
         metrics = dict(zip(names, torch.nanmean(everyone, 0).tolist()))
+        for k in names:
+            if k in _EXTREMES:
+                metrics[k] = _window_value(k, everyone[:, names.index(k)].tolist())
         for k in ("completions/min_length", "completions/min_terminated_length", "clip_ratio/low"):
             if k in metrics:
                 metrics[k.replace("clip_ratio/low", "clip_ratio/low_min")] = everyone[:, names.index(k)].min().item()
@@ -489,6 +515,18 @@ class RLOOTrainer:
 def _nanmean(values: list[float]) -> float:
     finite = [v for v in values if not math.isnan(v)]
     return sum(finite) / len(finite) if finite else float("nan")
+
+
+# Metrics that are extremes over the logging window and the processes, not means of per-micro-batch extremes.
+_EXTREMES = {"vllm/logprob_diff_max": max, "sampling/importance_sampling_ratio/max": max,
+             "sampling/importance_sampling_ratio/min": min}
+
+
+def _window_value(name: str, values: list[float]) -> float:
+    if name not in _EXTREMES:
+        return _nanmean(values)
+    finite = [v for v in values if not math.isnan(v)]
+    return _EXTREMES[name](finite) if finite else float("nan")
 
 
 def train(cfg: RLOOConfig) -> TrainResult:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from rloo_engine.config_base import ConfigError
@@ -102,3 +103,43 @@ def test_a_completion_longer_than_the_model_positions_is_refused_before_loading(
     with pytest.raises(ConfigError, match=r"max_completion_length: 512, but .* has max_position_embeddings 512; "
                                           r"expected at most 511"):
         check_completion_fits(cfg, 512)
+
+
+def test_rollout_carries_the_generators_logps_zero_where_masked():
+    rollout = _to_rollout([[5]], [[7, EOS], [8, 9, 10]], 2, PAD, [EOS],
+                          logps=[[-0.5, -0.25], [-1.0, -2.0, -3.0]])
+    assert rollout.generator_logps.dtype == torch.float32
+    assert rollout.generator_logps.tolist() == [[-0.5, -0.25, 0.0], [-1.0, -2.0, -3.0]]
+    assert _to_rollout([[5]], [[7]], 1, PAD, [EOS]).generator_logps is None  # none reported, none invented
+
+
+IS_FLAGS = ["--model_name_or_path", "m", "--dataset_name", "d", "--reward_funcs", "a:b"]
+
+
+def test_importance_sampling_options_default_to_trls_and_stay_off():
+    from rloo_engine.cli import parse_train_args
+
+    cfg = parse_train_args(IS_FLAGS + ["--use_vllm", "true", "--vllm_importance_sampling_correction", "true"])
+    assert cfg.vllm_importance_sampling_correction is True
+    assert (cfg.vllm_importance_sampling_mode, cfg.vllm_importance_sampling_clip_min,
+            cfg.vllm_importance_sampling_clip_max) == ("sequence_mask", None, 3.0)
+    assert parse_train_args(IS_FLAGS).vllm_importance_sampling_correction is False
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--vllm_importance_sampling_correction", "true"],
+     r"vllm_importance_sampling_correction: true without use_vllm: true"),
+    (["--use_vllm", "true", "--vllm_importance_sampling_correction", "true", "--vllm_importance_sampling_clip_min",
+      "2", "--vllm_importance_sampling_clip_max", "2"],
+     r"vllm_importance_sampling_clip_min: 2.0 is not below vllm_importance_sampling_clip_max: 2.0"),
+    (["--use_vllm", "true", "--vllm_importance_sampling_correction", "true", "--vllm_importance_sampling_mode",
+      "token_truncate", "--vllm_importance_sampling_clip_max", "none"],
+     r"vllm_importance_sampling_mode: 'token_truncate' with neither"),
+    (["--use_vllm", "true", "--vllm_importance_sampling_clip_max", "0"], r"vllm_importance_sampling_clip_max"),
+    (["--use_vllm", "true", "--vllm_importance_sampling_mode", "token"], r"vllm_importance_sampling_mode"),
+])
+def test_bad_importance_sampling_options_are_refused_at_load_time(flags, message):
+    from rloo_engine.cli import parse_train_args
+
+    with pytest.raises(ConfigError, match=message):
+        parse_train_args(IS_FLAGS + flags)

@@ -1,5 +1,6 @@
-"""The colocate backend against real vLLM on CPU: token-id prompts, rollout layout, stop ids, and weight sync
-that vLLM really samples from (checked against HF greedy decoding of the same weights)."""
+"""The colocate backend against real vLLM on CPU: token-id prompts, rollout layout, stop ids, weight sync
+that vLLM really samples from (checked against HF greedy decoding of the same weights), and vLLM's log-probs
+of the sampled tokens against the trainer's (the mismatch metrics and importance weights)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rloo_engine.generation import SamplingParams
 from rloo_engine.generation_vllm import VLLMColocateBackend
+from rloo_engine.rollout import batched_token_logps
 from rloo_engine.testing import tiny_models
 from tests.engine.helpers import repo_pythonpath
 
 PROMPTS = ["the cat sat on", "a big red fox jumps over the"]
 NEW_TOKENS = 8
+LOGPROB_TOLERANCE = 1e-5  # |vLLM - trainer| per token, fp32 on CPU: measured max 4.8e-7 to 9.5e-7
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +131,48 @@ def test_train_with_use_vllm_on_a_512_position_model(vllm_policy, tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     # the policy changed, and vLLM sampled from it: completions of step 3 differ from step 1's in length
     assert len({r["completions/mean_length"] for r in rows}) > 1 or rows[0]["reward"] != rows[-1]["reward"]
+
+
+def test_vllm_reports_the_sampled_tokens_log_prob_at_the_sampling_temperature(greedy, vllm_policy, tok):
+    """vLLM's processed log-probs (after temperature 0.7) against the trainer's fp32 forward of the same tokens."""
+    model = AutoModelForCausalLM.from_pretrained(vllm_policy, dtype=torch.float32).eval()
+    greedy.sync_weights(model)
+    greedy.params.temperature = 0.7
+    try:
+        rollout = greedy.generate(PROMPTS, 4)
+    finally:
+        greedy.params.temperature = 0.0
+    input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+    attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
+    trainer = batched_token_logps(model, input_ids, attention_mask, rollout.prompt_ids.size(1), 0.7, 8)
+    mask = rollout.completion_mask.bool()
+    assert (rollout.generator_logps[~mask] == 0).all() and (rollout.generator_logps[mask] < 0).all()
+    difference = (trainer - rollout.generator_logps).abs()[mask]
+    print(f"vLLM vs trainer fp32 log-probs: mean {difference.mean():.2e}, max {difference.max():.2e} "
+          f"over {mask.sum()} tokens")
+    assert difference.max() < LOGPROB_TOLERANCE
+    at_temperature_1 = batched_token_logps(model, input_ids, attention_mask, rollout.prompt_ids.size(1), 1.0, 8)
+    assert (at_temperature_1 - rollout.generator_logps).abs()[mask].max() > 100 * LOGPROB_TOLERANCE  # not raw
+
+
+def test_train_with_importance_sampling_correction_logs_the_mismatch_and_weights_of_one(vllm_policy, tmp_path):
+    """On-policy fp32: vLLM's log-probs and the trainer's agree, so every importance weight is 1 within tolerance."""
+    prompts = tiny_models.write_prompt_file(tmp_path / "prompts.jsonl")
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rloo_engine", "train", "--model_name_or_path", str(vllm_policy), "--dataset_name",
+         str(prompts), "--reward_funcs", "rloo_engine.reward_functions:brevity", "--output_dir", str(out),
+         "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "16",
+         "--max_prompt_length", "64", "--learning_rate", "1e-2", "--max_steps", "2", "--logging_steps", "1",
+         "--use_vllm", "true", "--vllm_importance_sampling_correction", "true", "--disable_tqdm", "true"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        print({k: v for k, v in r.items() if k.startswith(("vllm/", "sampling/"))})
+        assert 0 < r["vllm/logprob_diff_mean"] <= r["vllm/logprob_diff_max"] < LOGPROB_TOLERANCE
+        for k in ("min", "mean", "max"):  # sequence_mask: the product over up to 16 tokens
+            assert r[f"sampling/importance_sampling_ratio/{k}"] == pytest.approx(1.0, abs=16 * LOGPROB_TOLERANCE)
