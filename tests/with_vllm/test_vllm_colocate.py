@@ -111,26 +111,39 @@ def test_every_eos_id_ends_a_completion(vllm_policy, tok, greedy):
     assert rollout.completion_ids[0][rollout.completion_mask[0].bool()].tolist() == first[: first.index(stop) + 1]
 
 
-def test_train_with_use_vllm_on_a_512_position_model(vllm_policy, tmp_path):
+def test_train_with_use_vllm_on_a_512_position_model_then_resume(vllm_policy, tmp_path):
     """The reproduction: default max_prompt_length 512 + 16 completion tokens on a 512-position model died in
-    vLLM's ModelConfig before step 1, and the weight sync after step 1 raised AttributeError."""
+    vLLM's ModelConfig before step 1, and the weight sync after step 1 raised AttributeError. Here: 3 steps with
+    the importance-sampling correction on (an injected crash after step 3), then a resume to step 4."""
     prompts = tiny_models.write_prompt_file(tmp_path / "prompts.jsonl")
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "rloo_engine", "train", "--model_name_or_path", str(vllm_policy), "--dataset_name",
-         str(prompts), "--reward_funcs", "rloo_engine.reward_functions:brevity", "--output_dir", str(out),
-         "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "16",
-         "--learning_rate", "1e-2", "--max_steps", "3", "--logging_steps", "1", "--use_vllm", "true",
-         "--disable_tqdm", "true"],
-        env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "prompts keep their last 496 tokens" in proc.stderr
+    cmd = [sys.executable, "-m", "rloo_engine", "train", "--model_name_or_path", str(vllm_policy), "--dataset_name",
+           str(prompts), "--reward_funcs", "tests.engine.helpers:target_token_fraction", "--output_dir", str(out),
+           "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "16",
+           "--learning_rate", "1e-2", "--max_steps", "4", "--save_steps", "1", "--logging_steps", "1",
+           "--use_vllm", "true", "--vllm_importance_sampling_correction", "true", "--disable_tqdm", "true"]
+    first = subprocess.run(cmd, env={**env, "RLOO_ENGINE_CRASH_AT_STEP": "3"}, capture_output=True, text=True,
+                           timeout=600)
+    assert first.returncode == 3, first.stderr[-3000:]  # the injected crash, after checkpoint-3
+    assert "prompts keep their last 496 tokens" in first.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    # the policy changed, and vLLM sampled from it: completions of step 3 differ from step 1's in length
-    assert len({r["completions/mean_length"] for r in rows}) > 1 or rows[0]["reward"] != rows[-1]["reward"]
+    for r in rows:  # on-policy fp32: vLLM's log-probs and the trainer's agree, so every weight is 1
+        assert 0 < r["vllm/logprob_diff_mean"] <= r["vllm/logprob_diff_max"] < LOGPROB_TOLERANCE
+        for k in ("min", "mean", "max"):  # sequence_mask: the product over up to 16 tokens
+            assert r[f"sampling/importance_sampling_ratio/{k}"] == pytest.approx(1.0, abs=16 * LOGPROB_TOLERANCE)
+    assert "timing/weight_sync_s" in rows[1]
+
+    second = subprocess.run(cmd + ["--resume_from_checkpoint", "latest"], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoint-3'} at step 3" in second.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # the new engine got checkpoint-3's weights before sampling: its log-probs match the trainer's forward of them
+    assert rows[-1]["vllm/logprob_diff_max"] < LOGPROB_TOLERANCE
 
 
 def test_vllm_reports_the_sampled_tokens_log_prob_at_the_sampling_temperature(greedy, vllm_policy, tok):
@@ -153,26 +166,3 @@ def test_vllm_reports_the_sampled_tokens_log_prob_at_the_sampling_temperature(gr
     assert difference.max() < LOGPROB_TOLERANCE
     at_temperature_1 = batched_token_logps(model, input_ids, attention_mask, rollout.prompt_ids.size(1), 1.0, 8)
     assert (at_temperature_1 - rollout.generator_logps).abs()[mask].max() > 100 * LOGPROB_TOLERANCE  # not raw
-
-
-def test_train_with_importance_sampling_correction_logs_the_mismatch_and_weights_of_one(vllm_policy, tmp_path):
-    """On-policy fp32: vLLM's log-probs and the trainer's agree, so every importance weight is 1 within tolerance."""
-    prompts = tiny_models.write_prompt_file(tmp_path / "prompts.jsonl")
-    out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "rloo_engine", "train", "--model_name_or_path", str(vllm_policy), "--dataset_name",
-         str(prompts), "--reward_funcs", "rloo_engine.reward_functions:brevity", "--output_dir", str(out),
-         "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "16",
-         "--max_prompt_length", "64", "--learning_rate", "1e-2", "--max_steps", "2", "--logging_steps", "1",
-         "--use_vllm", "true", "--vllm_importance_sampling_correction", "true", "--disable_tqdm", "true"],
-        env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
-        print({k: v for k, v in r.items() if k.startswith(("vllm/", "sampling/"))})
-        assert 0 < r["vllm/logprob_diff_mean"] <= r["vllm/logprob_diff_max"] < LOGPROB_TOLERANCE
-        for k in ("min", "mean", "max"):  # sequence_mask: the product over up to 16 tokens
-            assert r[f"sampling/importance_sampling_ratio/{k}"] == pytest.approx(1.0, abs=16 * LOGPROB_TOLERANCE)
