@@ -6,7 +6,7 @@ trainer posts `/init_weight_transfer_engine`, `/start_weight_update`, `/update_w
 engines (nccl, ipc) need CUDA. This one is the same protocol over a gloo process group of the trainer's
 rank 0 (the sender, group rank 0) and every vLLM worker, registered under the name `rloo_gloo`:
 
-- in the server by the `vllm.general_plugins` entry point `rloo_gloo` (and by `rloo-engine vllm-serve`);
+- in every vLLM process by rloo-pipeline's `vllm.general_plugins` entry point `rloo_gloo`;
 - in the trainer by `register()`, before `WeightTransferTrainerFactory.trainer_init`.
 
 The vLLM worker holds the group's TCPStore on `master_port` (the trainer's `vllm_group_port`), as TRL's

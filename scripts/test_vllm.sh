@@ -33,6 +33,12 @@ PY
   echo "$want" > "$stamp"
 fi
 [ "${1:-}" != "--install-only" ] || exit 0
+# The project itself, without dependencies, for its `vllm.general_plugins` entry point: vLLM's engine-core process
+# registers the CPU weight-transfer engine `rloo_gloo` from it. Here, not in --install-only: that runs beside the
+# main setup, whose editable install of this checkout would race this one.
+if ! "$venv/bin/python" -c "from importlib.metadata import entry_points as e; exit('rloo_gloo' not in e(group='vllm.general_plugins').names)"; then
+  "$venv/bin/python" -m pip --disable-pip-version-check -q install --no-deps --no-build-isolation -e . 2>&1 | tail -2
+fi
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" VLLM_ENABLE_V1_MULTIPROCESSING=0
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$venv/bin/python" -c "import vllm, transformers, torch; print(f'test-vllm: vllm {vllm.__version__}, transformers {transformers.__version__}, torch {torch.__version__}')"

@@ -54,14 +54,17 @@ def chat_tokenizer(style: str, vocab_size: int = 320) -> PreTrainedTokenizerFast
     return wrapped
 
 
-def build_chat_model(out_dir: str | Path, style: str, attention_dropout: float = 0.0, seed: int = 0) -> Path:
-    """Saves a random-init Qwen2- or Llama-shaped chat model with its tokenizer; returns the path."""
+def build_chat_model(out_dir: str | Path, style: str, attention_dropout: float = 0.0, seed: int = 0,
+                     hidden: int = 32, **config_fields) -> Path:
+    """Saves a random-init Qwen2- or Llama-shaped chat model with its tokenizer; returns the path. `config_fields`
+    override the config's (e.g. num_attention_heads: vLLM's CPU attention needs a head size of at least 32)."""
     tok = chat_tokenizer(style)
     end_ids = [tok.convert_tokens_to_ids(t) for t in STYLES[style]["end_ids"]]
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     arch = "qwen2" if style == "qwen" else "llama"
     torch.manual_seed(seed)
-    cfg = lm_config(arch, len(tok), pad_id, tok.eos_token_id, 32, 2, attention_dropout=attention_dropout)
+    cfg = lm_config(arch, len(tok), pad_id, tok.eos_token_id, hidden, 2, attention_dropout=attention_dropout,
+                    **config_fields)
     if tok.bos_token_id is not None:
         cfg.bos_token_id = tok.bos_token_id
     model = AutoModelForCausalLM.from_config(cfg)
