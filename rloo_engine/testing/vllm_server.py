@@ -20,14 +20,17 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: Path, log: Path, port: int | None = None, *extra: str):
+    def __init__(self, model: Path, log: Path, port: int | None = None, *extra: str, threads: int | None = 1):
+        """`threads`: OMP_NUM_THREADS of the server (1 keeps tests beside it responsive; None: vLLM's own choice)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         repo = str(Path(__file__).resolve().parents[2])  # a checkout on PYTHONPATH, as the caller runs it
         pythonpath = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
-        env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-               "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env = {**os.environ, "PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env.pop("OMP_NUM_THREADS", None)
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a real server runs its engine core as vLLM ships it
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rloo_engine", "vllm-serve", "--model", str(model), "--host", "127.0.0.1",

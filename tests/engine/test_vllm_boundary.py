@@ -143,3 +143,11 @@ def test_bad_importance_sampling_options_are_refused_at_load_time(flags, message
 
     with pytest.raises(ConfigError, match=message):
         parse_train_args(IS_FLAGS + flags)
+
+
+def test_sleep_mode_is_refused_without_cuda(qwen2_model):
+    from rloo_engine.generation_vllm import VLLMColocateBackend
+
+    with pytest.raises(ConfigError, match=r"vllm_enable_sleep_mode: true needs CUDA"):
+        VLLMColocateBackend(str(qwen2_model), AutoTokenizer.from_pretrained(qwen2_model), SamplingParams(4),
+                            sleep_mode=True)
