@@ -40,12 +40,12 @@ class VLLMServerClient:
         self.session = requests.Session()
         self.session.trust_env = False  # a cluster's HTTP proxy must not sit between trainer and its server
 
-    def _call(self, method: str, path: str, body: dict | None = None) -> Any:
+    def _call(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
         import requests
 
         url = f"{self.base_url}{path}"
         try:
-            reply = self.session.request(method, url, json=body, timeout=self.timeout)
+            reply = self.session.request(method, url, json=body, timeout=timeout or self.timeout)
         except requests.Timeout:
             raise VLLMServerError(f"vLLM server {url}: no answer within vllm_server_timeout "
                                   f"({self.timeout:g} s)") from None
@@ -68,8 +68,8 @@ class VLLMServerClient:
         raise VLLMServerError(f"vLLM server {self.base_url} did not become healthy within vllm_server_timeout "
                               f"({self.timeout:g} s): {last}")
 
-    def post(self, path: str, body: dict | None = None) -> Any:
-        return self._call("POST", path, body)
+    def post(self, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
+        return self._call("POST", path, body, timeout)
 
     def get(self, path: str) -> Any:
         return self._call("GET", path)
@@ -241,8 +241,8 @@ class VLLMServerBackend:
     def close(self) -> None:
         """Leaves the server's weight-transfer group (the server keeps serving the last weights)."""
         if self.engine is not None:
-            try:
-                self.client.post("/shutdown_weight_transfer_engine")
+            try:  # briefly: after a failure the server may be the thing that hangs
+                self.client.post("/shutdown_weight_transfer_engine", timeout=min(5.0, self.client.timeout))
             except VLLMServerError:
                 pass  # a dead server has no group to leave; the run's own error is already on its way
             self.engine.shutdown()

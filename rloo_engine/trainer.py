@@ -385,9 +385,7 @@ class RLOOTrainer:
         while self.global_step < self.total_steps:
             if self.batch is None or self.cursor == micro_per_batch:
                 if self.synced_step != self.global_step:  # e.g. a vLLM backend holds its own weights
-                    with self._timed("weight_sync"):
-                        self.backend.sync_weights(self.acc.unwrap_model(self.policy), step=self.global_step)
-                    self.synced_step = self.global_step
+                    self._sync_backend()
                 self.batch, self.cursor = self.generation_step(), 0
             mb = self.batch.micro_batch(self.cursor % self.steps_per_generation, c.per_device_train_batch_size)
             self.cursor += 1
@@ -426,12 +424,16 @@ class RLOOTrainer:
             step_start = time.perf_counter()  # after logging and saving, so they are not billed to the next step
         bar.close()
         if getattr(self.backend, "serves_after_training", False) and self.synced_step != self.global_step:
-            with self._timed("weight_sync"):  # a server outlives the run: leave it serving the trained policy
-                self.backend.sync_weights(self.acc.unwrap_model(self.policy), step=self.global_step)
-            self.synced_step = self.global_step
+            self._sync_backend()  # a server outlives the run: leave it serving the trained policy
         final = ckpt.save_final(self.acc, self.policy, self.tokenizer, out, self._fresh_policy)
         self._finish_logging(out)
         return TrainResult(self.global_step, final, self.logger.path, last, self.logger.run_id)
+
+    def _sync_backend(self) -> None:
+        """Gives the generation backend this step's weights; under ZeRO-3 every rank gathers them first."""
+        with self._timed("weight_sync"), full_weights_for_generation(self.acc, self.policy):
+            self.backend.sync_weights(self.acc.unwrap_model(self.policy), step=self.global_step)
+        self.synced_step = self.global_step
 
     # ------------------------------------------------------------------ logging, saving, resuming
     def _log(self) -> dict[str, float]:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import requests
 
+from rloo_engine.lifetime import die_with_parent
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -32,10 +34,12 @@ class Server:
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a real server runs its engine core as vLLM ships it
+        parent = os.getpid()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rloo_engine", "vllm-serve", "--model", str(model), "--host", "127.0.0.1",
              "--port", str(self.port), "--dtype", "float32", "--seed", "0", *extra],
-            env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+            env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=lambda: die_with_parent(parent))  # a killed test or bench leaves no server behind
         self.wait_healthy()
 
     def wait_healthy(self, timeout: float = 240) -> None:

@@ -5,6 +5,7 @@ mid-run."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -168,3 +169,28 @@ def test_a_server_that_is_down_is_named_within_the_timeout(vllm_policy, tmp_path
     assert proc.returncode == exit_codes.GENERATOR_ERROR, proc.stderr[-3000:]
     assert f"error: vLLM server {url} did not become healthy within vllm_server_timeout (3 s)" in proc.stderr
     assert time.monotonic() - start < 120  # model loading and imports; the wait itself is 3 s
+
+
+def test_a_hung_server_fails_the_step_within_the_timeout(server, vllm_policy, tmp_path):
+    """SIGSTOP: the server accepts connections and never answers, in a generation or in a sync. Last in the module:
+    the server is left mid-update."""
+    out = tmp_path / "out"
+    cmd = train_command(vllm_policy, out, server.url, "--max_steps", "40", "--vllm_server_timeout", "15")
+    trainer = subprocess.Popen(cmd, env=engine_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text():
+            assert trainer.poll() is None and time.monotonic() < deadline, trainer.communicate()[1][-4000:]
+            time.sleep(0.2)
+        os.killpg(server.proc.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, stderr = trainer.communicate(timeout=120)
+        took = time.monotonic() - stopped
+    finally:
+        os.killpg(server.proc.pid, signal.SIGCONT)
+        if trainer.poll() is None:
+            trainer.kill()
+    assert trainer.returncode == exit_codes.GENERATOR_ERROR, stderr[-4000:]
+    assert took < 15 + 10, took
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: vLLM server {server.url}") and "15 s" in last or "timed out" in last.lower(), last
