@@ -242,7 +242,7 @@ class VLLMServerBackend:
         """Leaves the server's weight-transfer group (the server keeps serving the last weights)."""
         if self.engine is not None:
             try:  # briefly: after a failure the server may be the thing that hangs
-                self.client.post("/shutdown_weight_transfer_engine", timeout=min(5.0, self.client.timeout))
+                self.client.post("/shutdown_weight_transfer_engine", timeout=min(2.0, self.client.timeout))
             except VLLMServerError:
                 pass  # a dead server has no group to leave; the run's own error is already on its way
             self.engine.shutdown()

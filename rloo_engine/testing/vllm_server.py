@@ -86,6 +86,9 @@ class Server:
             time.sleep(0.2)  # the engine core exits after the API server
         if self.group_alive():
             os.killpg(self.proc.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while self.group_alive() and time.monotonic() < deadline:
+                time.sleep(0.2)
         self.proc.wait(30)
 
     def kill(self) -> None:
@@ -95,9 +98,13 @@ class Server:
         self._reap()
 
     def group_alive(self) -> bool:
-        self.proc.poll()  # reap the server itself: a zombie still counts as a member
-        try:
-            os.killpg(self.proc.pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
+        """Whether any process of the server's group still runs (zombies, dead but not yet reaped, do not count)."""
+        self.proc.poll()  # reap the server itself
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # exited while we looked
+            if int(fields[2]) == self.proc.pid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+                return True
+        return False
