@@ -57,9 +57,11 @@ def generate_completions(
 ) -> dict[str, str]:
     """{prompt_id: completion} for every prompt; `field` names the config option `model_path` came from."""
     if gen.backend == "vllm":
-        from rloo_engine.evaluation.generate_vllm import generate_completions_vllm
+        from rloo_engine.evaluation.generate_vllm import generate_completions_vllm, load_tokenizer
 
-        return generate_completions_vllm(model_path, prompts, gen, field=field, progress=progress)
+        tok = load_tokenizer(model_path, field)
+        texts = generate_completions_vllm(model_path, tok, encode_prompts(tok, prompts, gen), gen, progress=progress)
+        return {ep.prompt_id: text for ep, text in zip(prompts, texts, strict=True)}
     import torch
     from transformers import set_seed
 
