@@ -5,6 +5,11 @@ train --config <cfg.yaml>` (`rloo_engine/pipeline/train_launch.py`). With MLFLOW
 its environment the engine logs its metrics into the `train` stage run, which this task owns (FINISHED / FAILED /
 KILLED). A config error (exit 2) is not retried; a Prefect retry reuses the run's output dir, and the engine's
 `resume_from_checkpoint: latest` continues from the newest checkpoint there.
+
+With `launch.vllm_server.enabled` (`train.vllm_mode: server`) the task first starts `rloo-engine vllm-serve` on
+the SFT checkpoint, in a process group of its own (`rloo_engine/pipeline/vllm_server.py`), waits for its
+`/health`, gives its URL to the engine, and stops it when training ends however it ends; its log is the train
+run's `logs/vllm_server.log`.
 """
 
 from __future__ import annotations
@@ -28,6 +33,13 @@ from rloo_engine.pipeline.stage_results import RewardInfo, TrainStageResult
 from rloo_engine.pipeline.tracking import RunRef
 from rloo_engine.pipeline.train_launch import launch_command, raise_for_exit, record_exit
 from rloo_engine.pipeline.train_outputs import plot_reward_curve, read_jsonl, summarize_metrics
+from rloo_engine.pipeline.vllm_server import (
+    pick_port,
+    running_vllm_server,
+    serve_command,
+    split_devices,
+    visible_cuda_devices,
+)
 from tasks.secrets import secret_env
 
 
@@ -46,11 +58,16 @@ def train_rloo(
     out = Path(run_dir) / "train"
     train_run, attempt = tracking.child_run(parent, "train")
     with tracking.run_status(train_run):
+        server = cfg.launch.vllm_server
+        server_url = None
+        if server.enabled:
+            server_url = f"http://{server.host}:{pick_port(server.host, server.port)}"
         engine_cfg = cfg.engine_config(
             sft_path=sft.local_path,
             reward_model_path=reward.model.local_path if reward.model else None,
             output_dir=str(out),
             run_name=f"{parent.run_id}-train",
+            vllm_server_url=server_url,
         )
         config_path = save_config(engine_cfg, out / "rloo_config.yaml")
         existing = checkpoint_dirs(out)
@@ -59,15 +76,26 @@ def train_rloo(
             tracking.set_tags(train_run, {"rloo.resumed_from": existing[-1].name})
         if attempt == 1:
             tracking.log_params(train_run, {f"train.{k}": v for k, v in cfg.train.model_dump().items()})
-            tracking.log_params(train_run, {f"launch.{k}": v for k, v in cfg.launch.model_dump().items()})
+            launch = cfg.launch.model_dump(mode="json")
+            server_params = tracking.flat_params(launch.pop("vllm_server"), prefix="launch.vllm_server.")
+            tracking.log_params(train_run, {**{f"launch.{k}": v for k, v in launch.items()}, **server_params})
 
         cmd = launch_command(cfg.launch, config_path)
         env = _training_env(cfg, train_run)
+        server_devices, training_devices = split_devices(
+            server.devices, visible_cuda_devices(env) if server.enabled and server.devices else []
+        )
+        if training_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = training_devices
         log_path = out / "train.log"
-        logger.info("launching: %s", " ".join(cmd))
+        server_log = out / "vllm_server.log"
         slot = _gpu_slot(cfg.launch.gpu_concurrency_limit)
         try:
-            with slot:
+            with slot, _vllm_server(cfg, sft.local_path, server_url, server_devices, server_log) as running:
+                if running is not None:
+                    logger.info("vLLM server healthy at %s (pid %d); log %s", running.url, running.pid, server_log)
+                    tracking.set_tags(train_run, {"rloo.vllm_server_url": running.url})
+                logger.info("launching: %s", " ".join(cmd))
                 outcome = run_in_process_group(
                     cmd,
                     env=env,
@@ -81,6 +109,8 @@ def train_rloo(
             raise TimeoutError(f"launch.timeout_seconds: training {err}; the process group was killed") from None
         finally:
             tracking.log_artifact(train_run, log_path, "logs")
+            if server.enabled and server_log.exists():
+                tracking.log_artifact(train_run, server_log, "logs")
         record_exit(train_run, outcome.returncode, outcome.tail)
         raise_for_exit(outcome.returncode, outcome.tail, log_path)
 
@@ -122,6 +152,28 @@ def _training_env(cfg: PipelineConfig, train_run: RunRef) -> dict[str, str]:
         "TQDM_MININTERVAL": os.environ.get("TQDM_MININTERVAL", "5"),
     }
     return child_env(dict(os.environ), withhold, extra)
+
+
+def _vllm_server(cfg: PipelineConfig, model_path: str, url: str | None, devices: str | None, log_path: Path):
+    """The vLLM server of `launch.vllm_server` while training runs, or nothing when it is not enabled."""
+    server = cfg.launch.vllm_server
+    if not server.enabled or url is None:
+        return nullcontext()
+    port = int(url.rsplit(":", 1)[1])
+    cmd = serve_command(server, model_path, port, dtype=cfg.train.dtype, seed=cfg.train.seed)
+    withhold = {cfg.evaluation.judge.api_key_env} if cfg.evaluation.judge.api_key_env else set()
+    extra = {**server.env, "PYTHONUNBUFFERED": "1"}
+    if devices is not None:
+        extra["CUDA_VISIBLE_DEVICES"] = devices
+    get_run_logger().info("starting the vLLM server: %s", " ".join(cmd))
+    return running_vllm_server(
+        cmd,
+        url=url,
+        env=child_env(dict(os.environ), withhold, extra),
+        log_path=log_path,
+        startup_timeout_s=server.startup_timeout_s,
+        kill_grace_seconds=cfg.launch.kill_grace_seconds,
+    )
 
 
 def _gpu_slot(limit_name: str | None):

@@ -24,6 +24,12 @@ PAIRINGS: dict[str, tuple[str, str]] = {
 class EvalGenerationConfig(StrictModel):
     """How completions are generated for a model given by path (policy or SFT)."""
 
+    backend: Literal["hf", "vllm"] = F(
+        "hf",
+        "`hf`: transformers `generate`, batched. `vllm`: an offline `vllm.LLM` in this process (the `vllm` extra), "
+        "same prompts, chat template, truncation, EOS ids and greedy default; its fp32 greedy completions equal "
+        "`hf`'s on the tiny test model. vLLM picks its own device (CUDA when present), so `device` must be `auto`.",
+    )
     max_new_tokens: int = F(
         128, "Maximum tokens generated per completion. 128 fits TL;DR summaries; raise for dialogue.", ge=1
     )
@@ -49,7 +55,27 @@ class EvalGenerationConfig(StrictModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = F("float32", "Dtype the model is loaded in.")
     device: str = F("auto", "Torch device: `auto` (CUDA when available, else CPU), `cpu`, `cuda`, `cuda:1`, ...")
     seed: int = F(0, "Seed set before generation (matters only with do_sample).")
-    generation_kwargs: dict[str, Any] = F({}, "Extra keyword arguments for `model.generate` (override the above).")
+    generation_kwargs: dict[str, Any] = F(
+        {},
+        "Extra keyword arguments (override the above): for `model.generate` (backend hf), for `vllm.SamplingParams` "
+        "(backend vllm).",
+    )
+    vllm_engine_kwargs: dict[str, Any] = F(
+        {},
+        "backend vllm: extra keyword arguments for `vllm.LLM`, e.g. gpu_memory_utilization, tensor_parallel_size, "
+        "max_model_len (default: max_prompt_length + max_new_tokens, within the model's positions).",
+    )
+
+    @model_validator(mode="after")
+    def _check_backend(self) -> EvalGenerationConfig:
+        if self.backend == "vllm" and self.device != "auto":
+            raise ValueError(
+                f"device: {self.device!r} with backend: 'vllm'; vLLM places the model itself (CUDA_VISIBLE_DEVICES "
+                "chooses the GPU), so leave device: auto"
+            )
+        if self.backend == "hf" and self.vllm_engine_kwargs:
+            raise ValueError("vllm_engine_kwargs: set with backend: 'hf'; they are for backend: 'vllm'")
+        return self
 
 
 class TokenPrice(StrictModel):

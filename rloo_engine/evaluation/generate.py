@@ -1,4 +1,5 @@
-"""Completion generation for the eval prompts with HF `generate`: batched, left-padded, greedy by default.
+"""Completion generation for the eval prompts with HF `generate` (batched, left-padded, greedy by default) or,
+with `generation.backend: vllm`, offline vLLM on the same prompt tokens (`generate_vllm.py`).
 
 Prompts are sorted by token length before batching (less padding), and the completions are saved
 as JSONL keyed by prompt id next to a `.meta.json` fingerprint (model weights, generation options,
@@ -41,21 +42,33 @@ def render_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], chat_templ
         raise ConfigError(f"generation.chat_template: {err}") from None
 
 
+def encode_prompts(tok: Any, prompts: list[EvalPrompt], gen: EvalGenerationConfig) -> list[list[int]]:
+    """Each prompt's token ids as the model continues them: rendered, then cut to `max_prompt_length` from the left."""
+    encoded = []
+    for ep in prompts:
+        text, templated = render_prompt(tok, ep.prompt, gen.chat_template)
+        ids = tok(text, add_special_tokens=not templated)["input_ids"]
+        encoded.append(ids[-gen.max_prompt_length :] if gen.max_prompt_length else ids)
+    return encoded
+
+
 def generate_completions(
     model_path: str, prompts: list[EvalPrompt], gen: EvalGenerationConfig, *, field: str, progress: bool = True
 ) -> dict[str, str]:
     """{prompt_id: completion} for every prompt; `field` names the config option `model_path` came from."""
+    if gen.backend == "vllm":
+        from rloo_engine.evaluation.generate_vllm import generate_completions_vllm, load_tokenizer
+
+        tok = load_tokenizer(model_path, field)
+        texts = generate_completions_vllm(model_path, tok, encode_prompts(tok, prompts, gen), gen, progress=progress)
+        return {ep.prompt_id: text for ep, text in zip(prompts, texts, strict=True)}
     import torch
     from transformers import set_seed
 
     model, tok = load_causal_lm(model_path, gen.dtype, gen.device, field)
     tok.padding_side = "left"
     tok.truncation_side = "left"
-    rendered = [render_prompt(tok, ep.prompt, gen.chat_template) for ep in prompts]
-    encoded = []
-    for text, templated in rendered:
-        ids = tok(text, add_special_tokens=not templated)["input_ids"]
-        encoded.append(ids[-gen.max_prompt_length :] if gen.max_prompt_length else ids)
+    encoded = encode_prompts(tok, prompts, gen)
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
     sampling: dict[str, Any] = {"do_sample": gen.do_sample}
     if gen.do_sample:

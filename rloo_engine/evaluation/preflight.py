@@ -3,6 +3,8 @@ in the pipeline, RLOO training): the judge, the prompt set, the references and c
 
 from __future__ import annotations
 
+import importlib.util
+
 from rloo_engine.config_base import ConfigError
 from rloo_engine.evaluation.config import EvalConfig
 from rloo_engine.evaluation.data import load_completions, load_prompts
@@ -37,6 +39,10 @@ def check_inputs(cfg: EvalConfig) -> dict[str, int]:
     it before training): the judge (template, key, rule), the prompt set, the references and any completions
     files (format, duplicates, ids matching the prompts). Returns {side or "prompts": count}; raises ConfigError."""
     check_judge(cfg)
+    if cfg.generation.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        from rloo_engine.evaluation.generate_vllm import import_vllm
+
+        import_vllm()  # raises the ConfigError that says what to install
     prompts = load_eval_prompts(cfg)
     ids = {ep.prompt_id for ep in prompts}
     counts = {"prompts": len(prompts)}

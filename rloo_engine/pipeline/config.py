@@ -124,6 +124,74 @@ def _train_options_model() -> type[BaseModel]:
 TrainOptions = _train_options_model()
 
 
+# vllm-serve options the pipeline sets itself; in `extra_args` they would contradict what the trainer is told.
+_SERVER_OWNED_ARGS = ("--model", "--host", "--port", "--weight-transfer-config", "--tensor-parallel-size")
+
+
+class VLLMServerSection(StrictModel):
+    """A vLLM server started beside the training group for `train.vllm_mode: server` (`rloo-engine vllm-serve`)."""
+
+    enabled: bool = F(
+        False,
+        "Start a vLLM server for this training run, on this node, and give its URL to the engine. Needs "
+        "`train.use_vllm: true` and `train.vllm_mode: server`. false = the engine uses `train.vllm_server_base_url`, "
+        "a server someone else runs.",
+    )
+    devices: list[str] | None = F(
+        None,
+        "CUDA devices of the server (its `CUDA_VISIBLE_DEVICES`, as the worker's `CUDA_VISIBLE_DEVICES` names them, "
+        "or indices 0..n-1 when that is unset); the training group gets the node's other devices. None = no split: "
+        "both see every device (only sensible on CPU, or with `gpu_memory_utilization` leaving room for training).",
+        min_length=1,
+    )
+    host: str = F(
+        "127.0.0.1",
+        "Address the server binds and the engine calls. Loopback: only this node's training processes need it.",
+        min_length=1,
+    )
+    port: int | None = F(None, "Port of the server. None or 0 = a free port picked at start.", ge=0, le=65535)
+    tensor_parallel_size: int | None = F(
+        None, "vLLM tensor-parallel size. None = the number of `devices` (1 without devices).", ge=1
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = F(
+        None, "Weights dtype of the served model. None = `train.dtype`, so the server samples at the trainer's precision."
+    )
+    gpu_memory_utilization: float | None = F(
+        None, "Fraction of its GPUs' memory vLLM may take. None = vLLM's default (0.9).", gt=0.0, le=1.0
+    )
+    max_model_len: int | None = F(
+        None, "vLLM's max_model_len. None = the model's (vLLM reads its config).", ge=1
+    )
+    extra_args: list[str] = F(
+        [],
+        "More arguments for vLLM's OpenAI server, passed after `--` unchanged (e.g. `[--max-num-seqs, '64']`). "
+        f"{', '.join(_SERVER_OWNED_ARGS)} are set by the pipeline and rejected here.",
+    )
+    env: dict[str, str] = F(
+        {},
+        "Extra environment variables for the server only (e.g. VLLM_CPU_KVCACHE_SPACE, VLLM_LOGGING_LEVEL). "
+        "Never put secrets here.",
+    )
+    startup_timeout_s: float = F(
+        600.0,
+        "Seconds to wait for the server's `/health` before failing the task (weights load and, on GPU, CUDA graphs "
+        "are captured first). The error names the URL and ends with the server's last log lines.",
+        gt=0.0,
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> VLLMServerSection:
+        for arg in self.extra_args:
+            if arg.split("=", 1)[0] in _SERVER_OWNED_ARGS:
+                raise ValueError(
+                    f"extra_args: {arg!r} is set by the pipeline ({', '.join(_SERVER_OWNED_ARGS)}); use the section's "
+                    "own options (host, port, tensor_parallel_size) instead"
+                )
+        if self.devices is not None and len(set(self.devices)) != len(self.devices):
+            raise ValueError(f"devices: {self.devices} names a device twice; expected distinct CUDA devices")
+        return self
+
+
 class LaunchSection(StrictModel):
     """How the training process is launched: `accelerate launch` with a profile from deployments/accelerate/."""
 
@@ -173,6 +241,10 @@ class LaunchSection(StrictModel):
         "Name of a Prefect global concurrency limit held while training (one slot), e.g. `gpu-node-{hostname}` with "
         "limit 1 keeps one GPU job per node. `{hostname}` is replaced by the worker's host name. None = no limit "
         "(rely on `prefect worker start --limit 1` per node instead).",
+    )
+    vllm_server: VLLMServerSection = Field(
+        default_factory=VLLMServerSection,
+        description="A vLLM server started beside training for `train.vllm_mode: server` (see docs/pipeline.md).",
     )
 
 
@@ -288,6 +360,33 @@ class PipelineConfig(StrictModel):
     )
 
     @model_validator(mode="after")
+    def _check_vllm_server(self) -> PipelineConfig:
+        server_mode = self.train.use_vllm and self.train.vllm_mode == "server"
+        # Not `model_fields_set`: a config that went through Prefect or `overrides` has every field set.
+        defaults = TrainOptions.model_fields
+        given_url = self.train.vllm_server_base_url is not None or any(
+            getattr(self.train, name) != defaults[name].default for name in ("vllm_server_host", "vllm_server_port")
+        )
+        if self.launch.vllm_server.enabled:
+            if not server_mode:
+                raise ValueError(
+                    f"launch.vllm_server.enabled: true, but train.use_vllm: {self.train.use_vllm} and "
+                    f"train.vllm_mode: {self.train.vllm_mode!r}; the server is only used with use_vllm: true and "
+                    "vllm_mode: server"
+                )
+            if given_url:
+                raise ValueError(
+                    "launch.vllm_server.enabled: true and train.vllm_server_base_url/host/port are both set; either "
+                    "start a server beside training or use the one at that URL, not both"
+                )
+        elif server_mode and not given_url:
+            raise ValueError(
+                "train.vllm_mode: 'server' without a server: set launch.vllm_server.enabled: true to start one beside "
+                "training, or train.vllm_server_base_url to the URL of a running `rloo-engine vllm-serve`"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_engine_and_eval(self) -> PipelineConfig:
         # Placeholders stand for what the run resolves later (downloaded checkpoints, the run directory);
         # the engine's and the evaluation's own cross-field rules are checked here, before any work. The
@@ -310,10 +409,19 @@ class PipelineConfig(StrictModel):
 
     # ------------------------------------------------------------------ derived configs
     def engine_config(
-        self, *, sft_path: str, reward_model_path: str | None, output_dir: str, run_name: str
+        self,
+        *,
+        sft_path: str,
+        reward_model_path: str | None,
+        output_dir: str,
+        run_name: str,
+        vllm_server_url: str | None = None,
     ) -> RLOOConfig:
-        """The engine's RLOOConfig for this run: `train` plus the resolved model paths and the run's directory."""
+        """The engine's RLOOConfig for this run: `train` plus the resolved model paths and the run's directory
+        (and the URL of the vLLM server the task started, if it started one)."""
         values = self.train.model_dump()
+        if vllm_server_url is not None:
+            values["vllm_server_base_url"] = vllm_server_url
         values.update(
             model_name_or_path=sft_path,
             reward_model_name_or_path=reward_model_path,

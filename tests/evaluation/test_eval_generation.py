@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -129,3 +130,13 @@ def test_full_evaluation_generating_policy_and_sft_from_model_paths(qwen2_model,
     assert {n: p["win_rate"] for n, p in again["pairings"].items()} == {
         n: r.win_rate for n, r in report.pairings.items()
     }
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_vllm_backend_without_vllm_is_a_config_error_naming_the_option(qwen2_model):
+    from rloo_engine.config_base import ConfigError
+
+    with pytest.raises(ConfigError, match=r"generation.backend: 'vllm', but vllm is not installed"):
+        generate_completions(str(qwen2_model), _prompts(), EvalGenerationConfig(backend="vllm"), field="policy")
+    with pytest.raises(ValueError, match=r"device: 'cuda:1' with backend: 'vllm'; vLLM places the model itself"):
+        EvalGenerationConfig(backend="vllm", device="cuda:1")

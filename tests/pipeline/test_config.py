@@ -150,3 +150,44 @@ def test_profile_comes_from_config_then_job_variable():
         resolve_profile("tpu", {})
     with pytest.raises(ConfigError, match=r"\$RLOO_ACCELERATE_PROFILE: 'gpu'"):
         resolve_profile(None, {"RLOO_ACCELERATE_PROFILE": "gpu"})
+
+
+SERVER_MODE = {"use_vllm": True, "vllm_mode": "server"}
+
+
+def config_with(train: dict, vllm_server: dict | None = None) -> dict:
+    values = config()
+    values["train"].update(train)
+    if vllm_server is not None:
+        values["launch"]["vllm_server"] = vllm_server
+    return values
+
+
+@pytest.mark.parametrize(
+    ("train", "vllm_server", "message"),
+    [
+        (SERVER_MODE, None, "train.vllm_mode: 'server' without a server: set launch.vllm_server.enabled: true"),
+        ({}, {"enabled": True}, "launch.vllm_server.enabled: true, but train.use_vllm: False"),
+        ({"use_vllm": True}, {"enabled": True}, "train.vllm_mode: 'colocate'; the server is only used with"),
+        ({**SERVER_MODE, "vllm_server_base_url": "http://10.0.0.5:8000"}, {"enabled": True}, "not both"),
+        (SERVER_MODE, {"enabled": True, "extra_args": ["--port=9000"]}, "extra_args: '--port=9000' is set by the"),
+        (SERVER_MODE, {"enabled": True, "devices": ["0", "0"]}, "devices: ['0', '0'] names a device twice"),
+    ],
+)
+def test_bad_vllm_server_combinations_are_config_errors(train, vllm_server, message):
+    with pytest.raises(ConfigError) as err:
+        build_pipeline_config(config_with(train, vllm_server))
+    assert message in str(err.value)
+
+
+def test_vllm_server_mode_takes_a_started_server_or_a_given_url():
+    started = build_pipeline_config(config_with(SERVER_MODE, {"enabled": True}))
+    engine = started.engine_config(sft_path="org/sft", reward_model_path="org/rm", output_dir="/o", run_name="r",
+                                   vllm_server_url="http://127.0.0.1:4321")
+    assert engine.vllm_server_url == "http://127.0.0.1:4321"
+    # survives the round trip through Prefect's JSON parameters and `overrides`
+    assert started.with_overrides({"train.max_steps": 3}).launch.vllm_server.enabled
+    given = build_pipeline_config(config_with({**SERVER_MODE, "vllm_server_base_url": "http://10.0.0.5:8000"}))
+    given = given.with_overrides({"train.max_steps": 3})
+    assert given.engine_config(sft_path="org/sft", reward_model_path="org/rm", output_dir="/o",
+                               run_name="r").vllm_server_url == "http://10.0.0.5:8000"
