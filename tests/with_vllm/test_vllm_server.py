@@ -177,7 +177,7 @@ def assert_a_hung_server_fails_the_step_within_the_timeout(server, vllm_policy, 
         _, stderr = trainer.communicate(timeout=120)
         took = time.monotonic() - stopped
     finally:
-        os.killpg(server.proc.pid, signal.SIGCONT)
+        server.kill()  # a server stopped mid-update would take its SIGTERM grace to go
         if trainer.poll() is None:
             trainer.kill()
     assert trainer.returncode == exit_codes.GENERATOR_ERROR, stderr[-4000:]
