@@ -62,10 +62,7 @@ class VLLMColocateBackend:
     @torch.no_grad()
     def generate(self, prompts: list[str], num_generations: int, add_special_tokens: bool = False) -> Rollout:
         tok = self.tokenizer
-        tok.truncation_side = "left"
-        max_len = self.params.max_prompt_length
-        ids = tok(prompts, add_special_tokens=add_special_tokens, truncation=max_len is not None,
-                  max_length=max_len)["input_ids"]
+        ids = prompt_token_ids(tok, prompts, self.params.max_prompt_length, add_special_tokens)
         self._wake()
         # Token ids, not text: vLLM then samples after exactly the prompt tokens the trainer scores.
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], self._sampling_params(num_generations),
@@ -94,6 +91,13 @@ class VLLMColocateBackend:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
+
+
+def prompt_token_ids(tokenizer, prompts: list[str], max_len: int | None, add_special_tokens: bool) -> list[list[int]]:
+    """Unpadded prompt token ids, left-truncated to `max_len` (the end is what the completion continues)."""
+    tokenizer.truncation_side = "left"
+    return tokenizer(prompts, add_special_tokens=add_special_tokens, truncation=max_len is not None,
+                     max_length=max_len)["input_ids"]
 
 
 @contextmanager

@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 import torch
 
 from rloo_engine.generation import Rollout, SamplingParams
-from rloo_engine.generation_vllm import _import_vllm, _to_rollout, vllm_weight_items
+from rloo_engine.generation_vllm import _import_vllm, _to_rollout, prompt_token_ids, vllm_weight_items
 
 
 class VLLMServerError(RuntimeError):
@@ -205,10 +205,7 @@ class VLLMServerBackend:
         from accelerate.utils import gather_object
 
         tok = self.tokenizer
-        tok.truncation_side = "left"
-        max_len = self.params.max_prompt_length
-        ids = tok(prompts, add_special_tokens=add_special_tokens, truncation=max_len is not None,
-                  max_length=max_len)["input_ids"]
+        ids = prompt_token_ids(tok, prompts, self.params.max_prompt_length, add_special_tokens)
         everyone = gather_object([ids]) if self.acc.num_processes > 1 else [ids]
         self.calls += 1
         results = self._on_main(lambda: self._complete_all([p for rank in everyone for p in rank], num_generations))
@@ -247,6 +244,3 @@ class VLLMServerBackend:
                 pass  # a dead server has no group to leave; the run's own error is already on its way
             self.engine.shutdown()
             self.engine = None
-
-    def weight_version(self) -> str | None:
-        return self._on_main(lambda: self.client.get("/weight_info")["weight_version"])
