@@ -29,6 +29,7 @@ from rloo_engine.pipeline.config import PipelineConfig
 from rloo_engine.pipeline.environment import child_env
 from rloo_engine.pipeline.input_checkpoints import CheckpointInfo
 from rloo_engine.pipeline.launcher import LaunchTimeout, ThrottledLineLogger, run_in_process_group
+from rloo_engine.pipeline.profiles import resolve_profile
 from rloo_engine.pipeline.stage_results import RewardInfo, TrainStageResult
 from rloo_engine.pipeline.tracking import RunRef
 from rloo_engine.pipeline.train_launch import launch_command, raise_for_exit, record_exit
@@ -41,6 +42,7 @@ from rloo_engine.pipeline.vllm_server import (
     visible_cuda_devices,
 )
 from tasks.secrets import secret_env
+from tasks.train_nodes import NodeLaunch
 
 
 def _retry_unless_config_error(task, task_run, state) -> bool:
@@ -57,10 +59,14 @@ def train_rloo(
     logger = get_run_logger()
     out = Path(run_dir) / "train"
     train_run, attempt = tracking.child_run(parent, "train")
-    with tracking.run_status(train_run):
+    with tracking.run_status(train_run), _node_launch(cfg, out, train_run) as nodes:
         server = cfg.launch.vllm_server
         server_url = None
-        if server.enabled:
+        if server.enabled and nodes is not None and server.placement == "node":
+            server_url = nodes.start_server(sft.local_path)
+            logger.info("vLLM server node healthy at %s", server_url)
+            tracking.set_tags(train_run, {"rloo.vllm_server_url": server_url})
+        elif server.enabled:
             server_url = f"http://{server.host}:{pick_port(server.host, server.port)}"
         engine_cfg = cfg.engine_config(
             sft_path=sft.local_path,
@@ -77,43 +83,16 @@ def train_rloo(
         if attempt == 1:
             tracking.log_params(train_run, {f"train.{k}": v for k, v in cfg.train.model_dump().items()})
             launch = cfg.launch.model_dump(mode="json")
-            server_params = tracking.flat_params(launch.pop("vllm_server"), prefix="launch.vllm_server.")
-            tracking.log_params(train_run, {**{f"launch.{k}": v for k, v in launch.items()}, **server_params})
-
-        cmd = launch_command(cfg.launch, config_path)
-        env = _training_env(cfg, train_run)
-        server_devices, training_devices = split_devices(
-            server.devices, visible_cuda_devices(env) if server.enabled and server.devices else []
-        )
-        if training_devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = training_devices
-        log_path = out / "train.log"
-        server_log = out / "vllm_server.log"
-        slot = _gpu_slot(cfg.launch.gpu_concurrency_limit)
-        try:
-            with slot, _vllm_server(cfg, sft.local_path, server_url, server_devices, server_log) as running:
-                if running is not None:
-                    logger.info("vLLM server healthy at %s (pid %d); log %s", running.url, running.pid, server_log)
-                    tracking.set_tags(train_run, {"rloo.vllm_server_url": running.url})
-                logger.info("launching: %s", " ".join(cmd))
-                outcome = run_in_process_group(
-                    cmd,
-                    env=env,
-                    cwd=None,  # the flow run's working directory, so relative config paths mean the same to both
-                    log_path=log_path,
-                    on_line=ThrottledLineLogger(logger, cfg.launch.log_interval_seconds),
-                    timeout_seconds=cfg.launch.timeout_seconds,
-                    kill_grace_seconds=cfg.launch.kill_grace_seconds,
-                )
-        except LaunchTimeout as err:
-            raise TimeoutError(f"launch.timeout_seconds: training {err}; the process group was killed") from None
-        finally:
-            tracking.log_artifact(train_run, log_path, "logs")
-            if server.enabled and server_log.exists():
-                tracking.log_artifact(train_run, server_log, "logs")
-        record_exit(train_run, outcome.returncode, outcome.tail)
-        raise_for_exit(outcome.returncode, outcome.tail, log_path)
-
+            sections = {
+                **tracking.flat_params(launch.pop("vllm_server"), prefix="launch.vllm_server."),
+                **tracking.flat_params(launch.pop("nodes"), prefix="launch.nodes."),
+            }
+            tracking.log_params(train_run, {**{f"launch.{k}": v for k, v in launch.items()}, **sections})
+            tracking.log_params(train_run, {"num_machines": cfg.launch.num_machines, "world_size": _world_size(cfg)})
+        if nodes is not None:
+            nodes.train(config_path, server_url, log_params=attempt == 1)
+        else:
+            _launch_here(cfg, config_path, train_run, sft.local_path, server_url, out)
         final = out / "final"
         metrics_rows = read_jsonl(out / "metrics.jsonl")
         summary = summarize_metrics(metrics_rows)
@@ -134,15 +113,77 @@ def train_rloo(
             global_step=int(summary.get("global_step", 0)),
             metrics=summary,
             reward_curve=str(curve) if curve else None,
-            log_path=str(log_path),
+            log_path=str(out / ("train.log" if nodes is None else "nodes/node-0.log")),
             mlflow_run_id=train_run.run_id,
             attempts=attempt,
         )
 
 
+def _launch_here(
+    cfg: PipelineConfig, config_path: Path, train_run: RunRef, sft_path: str, server_url: str | None, out: Path
+) -> None:
+    """One machine: `accelerate launch` here, with the vLLM server beside it when one is configured."""
+    logger = get_run_logger()
+    log_path = out / "train.log"
+    server = cfg.launch.vllm_server
+    cmd = launch_command(cfg.launch, config_path)
+    env = _training_env(cfg, train_run)
+    server_devices, training_devices = split_devices(
+        server.devices, visible_cuda_devices(env) if server.enabled and server.devices else []
+    )
+    if training_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = training_devices
+    server_log = out / "vllm_server.log"
+    slot = _gpu_slot(cfg.launch.gpu_concurrency_limit)
+    try:
+        with slot, _vllm_server(cfg, sft_path, server_url, server_devices, server_log) as running:
+            if running is not None:
+                logger.info("vLLM server healthy at %s (pid %d); log %s", running.url, running.pid, server_log)
+                tracking.set_tags(train_run, {"rloo.vllm_server_url": running.url})
+            logger.info("launching: %s", " ".join(cmd))
+            outcome = run_in_process_group(
+                cmd,
+                env=env,
+                cwd=None,  # the flow run's working directory, so relative config paths mean the same to both
+                log_path=log_path,
+                on_line=ThrottledLineLogger(logger, cfg.launch.log_interval_seconds),
+                timeout_seconds=cfg.launch.timeout_seconds,
+                kill_grace_seconds=cfg.launch.kill_grace_seconds,
+            )
+    except LaunchTimeout as err:
+        raise TimeoutError(f"launch.timeout_seconds: training {err}; the process group was killed") from None
+    finally:
+        tracking.log_artifact(train_run, log_path, "logs")
+        if server.enabled and server_log.exists():
+            tracking.log_artifact(train_run, server_log, "logs")
+    record_exit(train_run, outcome.returncode, outcome.tail)
+    raise_for_exit(outcome.returncode, outcome.tail, log_path)
+
+
+def _node_launch(cfg: PipelineConfig, out: Path, train_run: RunRef):
+    """The node runs of a multi-node launch (cancelled whatever ends the block), or nothing on one machine."""
+    if cfg.launch.num_machines == 1:
+        return nullcontext()
+    return NodeLaunch(cfg, out, train_run, withhold_env=_withheld(cfg))
+
+
+def _world_size(cfg: PipelineConfig) -> int:
+    """Training processes over all machines: `launch.num_processes` (required with several), else the profile's."""
+    if cfg.launch.num_processes is not None:
+        return cfg.launch.num_processes
+    import yaml
+
+    profile = resolve_profile(cfg.launch.profile, dict(os.environ))
+    return int((yaml.safe_load(profile.read_text()) or {}).get("num_processes", 1))
+
+
+def _withheld(cfg: PipelineConfig) -> list[str]:
+    return [cfg.evaluation.judge.api_key_env] if cfg.evaluation.judge.api_key_env else []
+
+
 def _training_env(cfg: PipelineConfig, train_run: RunRef) -> dict[str, str]:
     """The worker's environment minus the judge's key, plus launch.env, launch secrets and the MLflow run."""
-    withhold = {cfg.evaluation.judge.api_key_env} if cfg.evaluation.judge.api_key_env else set()
+    withhold = set(_withheld(cfg))
     extra = {
         **cfg.launch.env,
         **secret_env(cfg.launch.secret_env, "launch.secret_env"),
@@ -161,7 +202,7 @@ def _vllm_server(cfg: PipelineConfig, model_path: str, url: str | None, devices:
         return nullcontext()
     port = int(url.rsplit(":", 1)[1])
     cmd = serve_command(server, model_path, port, dtype=cfg.train.dtype, seed=cfg.train.seed)
-    withhold = {cfg.evaluation.judge.api_key_env} if cfg.evaluation.judge.api_key_env else set()
+    withhold = set(_withheld(cfg))
     extra = {**server.env, "PYTHONUNBUFFERED": "1"}
     if devices is not None:
         extra["CUDA_VISIBLE_DEVICES"] = devices

@@ -154,14 +154,13 @@ class VLLMServerSection(StrictModel):
         None, "vLLM tensor-parallel size. None = the number of `devices` (1 without devices).", ge=1
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = F(
-        None, "Weights dtype of the served model. None = `train.dtype`, so the server samples at the trainer's precision."
+        None,
+        "Weights dtype of the served model. None = `train.dtype`, so the server samples at the trainer's precision.",
     )
     gpu_memory_utilization: float | None = F(
         None, "Fraction of its GPUs' memory vLLM may take. None = vLLM's default (0.9).", gt=0.0, le=1.0
     )
-    max_model_len: int | None = F(
-        None, "vLLM's max_model_len. None = the model's (vLLM reads its config).", ge=1
-    )
+    max_model_len: int | None = F(None, "vLLM's max_model_len. None = the model's (vLLM reads its config).", ge=1)
     extra_args: list[str] = F(
         [],
         "More arguments for vLLM's OpenAI server, passed after `--` unchanged (e.g. `[--max-num-seqs, '64']`). "
@@ -171,6 +170,13 @@ class VLLMServerSection(StrictModel):
         {},
         "Extra environment variables for the server only (e.g. VLLM_CPU_KVCACHE_SPACE, VLLM_LOGGING_LEVEL). "
         "Never put secrets here.",
+    )
+    placement: Literal["local", "node"] = F(
+        "local",
+        "`local`: beside training, on the train task's machine (rank 0's with several machines). `node`: on a "
+        "machine of its own, as a run of `launch.nodes.deployment` (needs `num_machines > 1`); the training nodes "
+        "get its URL and wait for its `/health`, and it is stopped when training ends. Set `host: 0.0.0.0` so the "
+        "other machines reach it.",
     )
     startup_timeout_s: float = F(
         600.0,
@@ -192,6 +198,38 @@ class VLLMServerSection(StrictModel):
         return self
 
 
+class NodesSection(StrictModel):
+    """Node runs of a multi-node launch: one run of a Prefect deployment per machine (`launch.num_machines > 1`)."""
+
+    deployment: str = F(
+        "train-node/node",
+        "Deployment (`flow/deployment`) each machine runs (flows/train_node.py). Its work pool's workers are the "
+        "nodes: one worker per machine, started with `--limit 1`, so two node runs never share a machine.",
+        min_length=3,
+        pattern=r"^[^/]+/[^/]+$",
+    )
+    job_variables: dict[str, Any] = F(
+        {},
+        "Job variables of every node run (e.g. `{image: ..., env: {...}}` for a Kubernetes pool), merged over the "
+        "deployment's.",
+    )
+    start_timeout_s: float = F(
+        600.0,
+        "Seconds every node run may take to start and report its address (a worker must pick it up: a busy pool or "
+        "a pending pod waits here). Past it the train task fails, naming the nodes that did not start.",
+        gt=0.0,
+    )
+    poll_interval_s: float = F(
+        2.0, "How often the train task reads the node runs' states; a node's failure is noticed within it.", gt=0.0
+    )
+    cancel_timeout_s: float = F(
+        120.0,
+        "After one node fails, seconds to wait for the others to be cancelled (their workers kill their process "
+        "groups) before the task fails anyway.",
+        gt=0.0,
+    )
+
+
 class LaunchSection(StrictModel):
     """How the training process is launched: `accelerate launch` with a profile from deployments/accelerate/."""
 
@@ -205,11 +243,18 @@ class LaunchSection(StrictModel):
         None, "Processes over all machines (`--num_processes`). None = the profile's value.", ge=1
     )
     num_machines: int = F(
-        1, "Machines taking part (`--num_machines`); each runs this flow's launch with its rank.", ge=1
+        1,
+        "Machines training together (`--num_machines`). Above 1 the train task starts one `launch.nodes.deployment` "
+        "run per machine, each with its `--machine_rank`, and waits for all of them (docs/pipeline.md, Multi-node).",
+        ge=1,
     )
-    machine_rank: int = F(0, "Rank of this machine (`--machine_rank`) when `num_machines > 1`.", ge=0)
-    main_process_ip: str | None = F(None, "Address of rank 0 (`--main_process_ip`) when `num_machines > 1`.")
-    main_process_port: int | None = F(None, "Port of rank 0 (`--main_process_port`).", ge=1, le=65535)
+    main_process_port: int | None = F(
+        None,
+        "Port of rank 0 (`--main_process_port`). None = the profile's (one machine) or a free port rank 0's node picks "
+        "(several machines).",
+        ge=1,
+        le=65535,
+    )
     env: dict[str, str] = F(
         {}, "Extra environment variables for the training process only (e.g. NCCL_*). Never put secrets here."
     )
@@ -246,6 +291,40 @@ class LaunchSection(StrictModel):
         default_factory=VLLMServerSection,
         description="A vLLM server started beside training for `train.vllm_mode: server` (see docs/pipeline.md).",
     )
+    nodes: NodesSection = Field(
+        default_factory=NodesSection,
+        description="How the machines of a multi-node run are started and watched (`num_machines > 1`).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_node_fields(cls, values: Any) -> Any:
+        for name in ("machine_rank", "main_process_ip"):
+            if isinstance(values, dict) and name in values:
+                raise ValueError(
+                    f"{name}: {values[name]!r} is set by the pipeline: with num_machines > 1 the train task starts one "
+                    "node run per machine with its rank, and rank 0's node reports its address; remove it"
+                )
+        return values
+
+    @model_validator(mode="after")
+    def _check_nodes(self) -> LaunchSection:
+        if self.num_machines > 1 and self.num_processes is None:
+            raise ValueError(
+                f"num_processes: required with num_machines: {self.num_machines} (the processes of every machine "
+                "together, e.g. 16 for 2 machines of 8 GPUs); each node's profile cannot be read from here"
+            )
+        if self.num_processes is not None and self.num_processes % self.num_machines:
+            raise ValueError(
+                f"num_processes: {self.num_processes} does not divide over num_machines: {self.num_machines}; "
+                "expected a multiple (it counts the processes of every machine together)"
+            )
+        if self.vllm_server.placement == "node" and self.num_machines == 1:
+            raise ValueError(
+                "vllm_server.placement: 'node' needs num_machines > 1 (a node run of its own); on one machine use "
+                "placement: local"
+            )
+        return self
 
 
 # EvaluationSection fields that are not EvalConfig's: every other field is passed on under its own name.

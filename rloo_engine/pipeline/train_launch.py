@@ -13,6 +13,8 @@ import re
 import sys
 from pathlib import Path
 
+import yaml
+
 from rloo_engine import exit_codes
 from rloo_engine.config_base import ConfigError
 from rloo_engine.pipeline import tracking
@@ -31,18 +33,34 @@ class EngineCrashed(RuntimeError):
     """The engine process died (injected crash, OOM kill, NCCL error, a bug); a retry resumes from a checkpoint."""
 
 
-def launch_command(launch: LaunchSection, config_path: Path) -> list[str]:
-    """`accelerate launch --config_file <profile> [overrides] -m rloo_engine train --config <file>`."""
+def launch_command(
+    launch: LaunchSection,
+    config_path: Path,
+    *,
+    machine_rank: int = 0,
+    main_process_ip: str | None = None,
+    main_process_port: int | None = None,
+) -> list[str]:
+    """`accelerate launch --config_file <profile> [overrides] -m rloo_engine train --config <file>`; with
+    `launch.num_machines > 1`, the command of machine `machine_rank`, whose rank 0 is at `main_process_ip`."""
     profile = resolve_profile(launch.profile, dict(os.environ))
     cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(profile)]
+    distributed_type = str((yaml.safe_load(profile.read_text()) or {}).get("distributed_type", "NO"))
+    processes = launch.num_processes or 1
+    if distributed_type == "NO" and (processes > 1 or launch.num_machines > 1):
+        # A profile without a distributed type (the cpu one) runs ONE process whatever --num_processes says;
+        # --multi_gpu makes accelerate start them all (gloo on CPU).
+        cmd.append("--multi_gpu")
     if launch.num_processes is not None:
         cmd += ["--num_processes", str(launch.num_processes)]
     if launch.num_machines > 1:
-        cmd += ["--num_machines", str(launch.num_machines), "--machine_rank", str(launch.machine_rank)]
-        if launch.main_process_ip:
-            cmd += ["--main_process_ip", launch.main_process_ip]
-    if launch.main_process_port:
-        cmd += ["--main_process_port", str(launch.main_process_port)]
+        cmd += ["--num_machines", str(launch.num_machines), "--machine_rank", str(machine_rank)]
+        cmd += ["--main_process_ip", main_process_ip or "127.0.0.1"]
+        if distributed_type == "DEEPSPEED":
+            cmd += ["--deepspeed_multinode_launcher", "standard"]  # torchrun per node, not pdsh from rank 0
+    port = main_process_port or launch.main_process_port
+    if port:
+        cmd += ["--main_process_port", str(port)]
     return cmd + ["-m", "rloo_engine", "train", "--config", str(config_path)]
 
 

@@ -66,13 +66,13 @@ class Service:
                 time.sleep(0.2)
 
 
-def start_service(name: str, cmd: list[str], env: dict[str, str], log_dir: Path) -> Service:
+def start_service(name: str, cmd: list[str], env: dict[str, str], log_dir: Path, cwd: Path = REPO_ROOT) -> Service:
     log_path = log_dir / f"{name}.log"
     log = log_path.open("wb")
     proc = subprocess.Popen(
         cmd,
         env=env,
-        cwd=REPO_ROOT,
+        cwd=cwd,
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
@@ -377,6 +377,7 @@ def deployed(services, pipeline_assets, tmp_path_factory) -> Deployed:
         )
     )
     services.cli("work-pool", "create", "gpu-pool", "--type", "process")
+    services.cli("work-pool", "create", "train-nodes", "--type", "process")  # the node runs of multi-node tests
     services.cli("deploy", "--all", "--prefect-file", str(prefect_file))
     worker = start_service(
         "worker",
