@@ -387,3 +387,19 @@ def deployed(services, pipeline_assets, tmp_path_factory) -> Deployed:
     )
     services.services.append(worker)
     return Deployed(services, config, config_path, worker)
+
+
+def start_node_worker(deployed: Deployed, name: str, extra_env: dict[str, str] | None = None) -> Service:
+    """A worker of pool `train-nodes` standing in for one machine: its own working directory, one run at a time."""
+    workdir = deployed.services.root / name
+    workdir.mkdir(exist_ok=True)
+    worker = start_service(
+        name,
+        [str(BIN / "prefect"), "worker", "start", "--pool", "train-nodes", "--type", "process", "--limit", "1",
+         "--name", name],
+        {**deployed.services.env, **(extra_env or {})},
+        deployed.services.root / "logs",
+        cwd=workdir,
+    )
+    deployed.services.services.append(worker)  # stopped at the end of the session at the latest
+    return worker

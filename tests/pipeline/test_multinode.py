@@ -21,7 +21,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.pipeline.conftest import BIN, start_service
+from tests.pipeline.conftest import start_node_worker
 
 pytestmark = pytest.mark.slow
 
@@ -37,20 +37,6 @@ STRAIGHT: dict[str, dict[str, torch.Tensor]] = {}  # the uninterrupted 2-node ru
 # From a node's failure to the flow run's Failed state: the poll (1 s), the settle window (3 s), the other nodes'
 # cancellation (their worker polls every second, then kill_grace_seconds 5 s), and Prefect's own bookkeeping.
 FAILURE_BOUND_S = 45
-
-
-def start_node_worker(deployed, name: str, extra_env: dict[str, str] | None = None):
-    workdir = deployed.services.root / name
-    workdir.mkdir(exist_ok=True)
-    worker = start_service(
-        name,
-        [str(BIN / "prefect"), "worker", "start", "--pool", "train-nodes", "--type", "process", "--limit", "1",
-         "--name", name],
-        {**deployed.services.env, **(extra_env or {})},
-        deployed.services.root / "logs",
-        cwd=workdir,
-    )
-    return worker
 
 
 @pytest.fixture(scope="module")
