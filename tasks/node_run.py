@@ -22,7 +22,13 @@ from prefect.settings import PREFECT_API_URL
 from rloo_engine.pipeline import tracking
 from rloo_engine.pipeline.config import LaunchSection
 from rloo_engine.pipeline.environment import child_env
-from rloo_engine.pipeline.launcher import LaunchTimeout, ThrottledLineLogger, group_alive, run_in_process_group
+from rloo_engine.pipeline.launcher import (
+    LaunchStopped,
+    LaunchTimeout,
+    ThrottledLineLogger,
+    group_alive,
+    run_in_process_group,
+)
 from rloo_engine.pipeline.multinode import (
     ADDRESS_ARTIFACT_KEY,
     NodeReport,
@@ -98,9 +104,12 @@ def train_on_this_node(spec: NodeSpec, report: NodeReport) -> dict:
             on_line=ThrottledLineLogger(logger, launch.log_interval_seconds),
             timeout_seconds=launch.timeout_seconds,
             kill_grace_seconds=launch.kill_grace_seconds,
+            stop_when=controller_ended,
         )
     except LaunchTimeout as err:
         raise TimeoutError(f"launch.timeout_seconds: {spec.name} {err}; its process group was killed") from None
+    except LaunchStopped as err:
+        raise RuntimeError(f"{spec.name} stopped: {err}; its process group was killed") from None
     finally:
         _log_to_train_run(spec, log_path)
     raise_for_exit(outcome.returncode, outcome.tail, log_path)
@@ -133,9 +142,30 @@ def serve_vllm_on_this_node(spec: NodeSpec, report: NodeReport) -> None:
             logger.info("vLLM server healthy at %s (pid %d)", report.url, running.pid)
             while group_alive(running.pid):
                 time.sleep(1.0)
+                if reason := controller_ended():
+                    raise RuntimeError(f"the vLLM server node stopped: {reason}")
             raise VLLMServerFailed(f"the vLLM server node's server at {report.url} exited; its log is {log_path}")
     finally:
         _log_to_train_run(spec, log_path)
+
+
+def controller_ended() -> str | None:
+    """Why this node should stop although nobody cancelled it: the flow run that started it has ended (say its
+    process was SIGKILLed, so it could not cancel its nodes), or None while it is still going."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    parent = flow_run.parent_flow_run_id
+    if not parent:
+        return None
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(parent).state
+    except Exception:  # an API hiccup is no reason to kill hours of training; the next check asks again
+        return None
+    if state is not None and state.is_final():
+        return f"the flow run that started it ({parent}) is {state.name}"
+    return None
 
 
 def _log_to_train_run(spec: NodeSpec, log_path: Path) -> None:

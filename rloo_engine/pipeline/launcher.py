@@ -33,6 +33,10 @@ class LaunchTimeout(TimeoutError):
     """The command ran past its time limit and was killed."""
 
 
+class LaunchStopped(RuntimeError):
+    """`stop_when` gave a reason to stop (e.g. the run that started this one has ended); the group was killed."""
+
+
 @dataclass
 class ProcessOutcome:
     returncode: int
@@ -82,10 +86,13 @@ def run_in_process_group(
     timeout_seconds: float | None = None,
     kill_grace_seconds: float = 10.0,
     tail_lines: int = 60,
+    stop_when: Callable[[], str | None] | None = None,
+    stop_check_seconds: float = 5.0,
 ) -> ProcessOutcome:
     """Runs `cmd` to completion; every output line goes to `log_path` and to `on_line`.
 
-    Raises LaunchTimeout after `timeout_seconds`. Whatever happens (including a BaseException such
+    Raises LaunchTimeout after `timeout_seconds`, and LaunchStopped when `stop_when()` (called every
+    `stop_check_seconds`) returns a reason. Whatever happens (including a BaseException such
     as Prefect's TerminationSignal raised in this thread), the process group is gone on return.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -107,7 +114,7 @@ def run_in_process_group(
         )
         pgid = proc.pid  # a new session's leader heads a process group of the same id
         try:
-            _pump(proc, log, tail, on_line, started, timeout_seconds)
+            _pump(proc, log, tail, on_line, started, timeout_seconds, stop_when, stop_check_seconds)
             proc.wait()
         finally:
             # Also after a clean exit: stray grandchildren (data loaders, compile workers) must not outlive us.
@@ -117,17 +124,24 @@ def run_in_process_group(
     return ProcessOutcome(proc.returncode, list(tail), log_path, time.monotonic() - started)
 
 
-def _pump(proc, log, tail: deque[str], on_line, started: float, timeout_seconds: float | None) -> None:
+def _pump(
+    proc, log, tail: deque[str], on_line, started: float, timeout_seconds: float | None, stop_when, stop_every: float
+) -> None:
     """Copies output until EOF; a short select timeout keeps the time limit checked while the child is silent."""
     assert proc.stdout is not None
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     pending = b""
     exited_at: float | None = None
+    checked_at = time.monotonic()
     try:
         while True:
             if timeout_seconds is not None and time.monotonic() - started > timeout_seconds:
                 raise LaunchTimeout(f"still running after {timeout_seconds:.0f} s")
+            if stop_when is not None and time.monotonic() - checked_at > stop_every:
+                checked_at = time.monotonic()
+                if reason := stop_when():
+                    raise LaunchStopped(reason)
             if not sel.select(timeout=0.5):
                 # A grandchild that inherited stdout can hold the pipe open after the command exited.
                 if proc.poll() is not None:

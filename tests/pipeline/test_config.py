@@ -10,6 +10,7 @@ import yaml
 from rloo_engine.config_base import ConfigError
 from rloo_engine.pipeline.config import (
     PIPELINE_OWNED_ENGINE_FIELDS,
+    LaunchSection,
     PipelineConfig,
     TrainOptions,
     build_pipeline_config,
@@ -126,9 +127,12 @@ def test_shipped_example_config_and_prefect_yaml_are_valid():
         ("flows/rlhf_pipeline.py:rlhf_pipeline", "nightly"),
         ("flows/rlhf_pipeline.py:rlhf_pipeline", "on-demand"),
         ("flows/evaluate_policy.py:evaluate_policy", "on-demand"),
+        ("flows/train_node.py:train_node", "node"),
     }
+    # The node runs of multi-node training (launch.nodes.deployment's default) go to the nodes' own pool.
+    assert LaunchSection().nodes.deployment == "train-node/node"
     for d in spec["deployments"]:
-        assert d["work_pool"]["name"] == "gpu-pool"
+        assert d["work_pool"]["name"] == ("train-nodes" if d["name"] == "node" else "gpu-pool")
         assert {"MLFLOW_TRACKING_URI", "RLOO_ACCELERATE_PROFILE"} <= set(d["work_pool"]["job_variables"]["env"])
     nightly = next(d for d in spec["deployments"] if d["name"] == "nightly")
     assert nightly["schedules"][0]["cron"] == "0 2 * * *"

@@ -216,6 +216,30 @@ def test_zero3_on_two_nodes(deployed, nodes):
     assert deployed.mlflow_runs(flow_run_id)["train"].data.params["world_size"] == "2"
 
 
+def test_a_controller_killed_outright_takes_its_nodes_training_with_it(deployed, nodes):
+    # A SIGKILLed flow-run process cancels nothing; each node sees its controller's run end and stops itself.
+    overrides = {"train.max_steps": 5000, "train.save_steps": 0, "tracking.registered_model": "tiny-policy-orphan"}
+    flow_run_id, _ = run_two_nodes(deployed, nodes, overrides, watch=False)
+    wait_for(lambda: len(_engines(flow_run_id)) == 2, 180, "both nodes' engine processes", poll=0.5)
+    controller = psutil.Process(deployed.worker.proc.pid).children()
+    assert len(controller) == 1, controller  # the gpu-pool worker runs one flow run: this one
+    controller[0].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_for(lambda: not engine_processes(flow_run_id), 60, "every node's engine gone after the controller died")
+    print(f"nodes stopped {time.monotonic() - killed_at:.0f} s after the controller was killed")
+    states = wait_for(
+        lambda: (s := [r.state.name for r in node_flow_runs(deployed, flow_run_id)]) and all(
+            n in {"Failed", "Cancelled", "Crashed"} for n in s) and s,
+        60,
+        "the node runs ended",
+    )
+    assert len(states) == 2
+
+
+def _engines(flow_run_id: str) -> list[psutil.Process]:
+    return [p for p in engine_processes(flow_run_id) if "accelerate" not in " ".join(p.cmdline())]
+
+
 def test_a_node_that_does_not_share_the_output_root_fails_before_any_model_loads(deployed, nodes, tmp_path):
     # node-b now sees the output root somewhere else, as a node with a local disk where the shared volume belongs.
     nodes["node-b"].stop()
