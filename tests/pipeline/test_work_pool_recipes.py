@@ -58,7 +58,7 @@ def kubernetes_worker():
     try:
         from prefect_kubernetes.worker import KubernetesWorker, KubernetesWorkerJobConfiguration
     except ImportError:
-        pytest.skip("prefect-kubernetes is not installed (pip install -e '.[kubernetes]'); CI does not install it")
+        pytest.skip("prefect-kubernetes is not installed (pip install -e '.[kubernetes]'); the dev extra has it)")
     return KubernetesWorker, KubernetesWorkerJobConfiguration
 
 
