@@ -110,6 +110,13 @@ class NodeLaunch:
 
     def start_server(self, model_path: str) -> str:
         """Starts the vLLM server node; returns its URL once it is healthy."""
+        host = self.cfg.launch.vllm_server.host
+        if host in ("127.0.0.1", "localhost", "::1"):
+            get_run_logger().warning(
+                "launch.vllm_server.host is %s: only training nodes on the server's own machine can reach it; set "
+                "host: 0.0.0.0 when the nodes are separate machines",
+                host,
+            )
         node = self.start(self.spec(role="vllm_server", server_model_path=model_path))
         timeout = self.cfg.launch.nodes.start_timeout_s + self.cfg.launch.vllm_server.startup_timeout_s
         report = self.wait_for_report(node, timeout)
