@@ -3,6 +3,7 @@
     bash bench/setup_trl_venv.sh          # once: .venv-trl with torch (CPU), this project and TRL
     python bench/vs_trl.py                # both default sizes, 2 rounds of A B (~11-16 min on 2 loaded CPU cores)
     python bench/vs_trl.py --sizes 256x4:2000 --rounds 3 --steps 5
+    python bench/vs_trl.py --grid          # the 12 shapes of issue 20 (vocab 512/32k/152k x 256/4, 512/8 x 2x, 4x)
 
 For each model size it builds, in a temporary directory and without downloading anything: a BPE
 tokenizer trained on generated text, a random-init Qwen2-shaped policy, a random-init reward model of
@@ -47,20 +48,27 @@ CHILD_ENV = {
 }
 
 
-def parse_size(text: str) -> tuple[int, int, int]:
-    """`HIDDENxLAYERS:VOCAB`, e.g. `512x8:32000`."""
+def parse_size(text: str) -> tuple[int, int, int, int]:
+    """`HIDDENxLAYERS:VOCAB[/MULT]` (intermediate = MULT x hidden, default 2), e.g. `512x8:32000/4`."""
     try:
-        shape, vocab = text.split(":")
+        shape, rest = text.split(":")
+        vocab, _, mult = rest.partition("/")
         hidden, layers = shape.split("x")
-        return int(hidden), int(layers), int(vocab)
+        return int(hidden), int(layers), int(vocab), int(mult or 2)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}; expected HIDDENxLAYERS:VOCAB, e.g. 512x8:32000") from None
+        raise argparse.ArgumentTypeError(f"{text!r}; expected HIDDENxLAYERS:VOCAB[/MULT], e.g. 512x8:32000/4") from None
+
+
+# vocabulary {512, 32k, 152k} x {hidden 256 / 4 layers, hidden 512 / 8 layers} x intermediate {2x, 4x} hidden
+GRID = [(h, n, v, m) for v in (512, 32000, 152000) for h, n in ((256, 4), (512, 8)) for m in (2, 4)]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", type=parse_size, nargs="+", default=[(256, 4, 2000), (512, 8, 32000)],
-                   help="model sizes as HIDDENxLAYERS:VOCAB (intermediate = 2x hidden, 4 heads, 2 KV heads, tied)")
+    p.add_argument("--sizes", type=parse_size, nargs="+", default=[(256, 4, 2000, 2), (512, 8, 32000, 2)],
+                   help="model sizes as HIDDENxLAYERS:VOCAB[/MULT] (intermediate = MULT x hidden, default 2; 4 heads, "
+                        "2 KV heads, tied)")
+    p.add_argument("--grid", action="store_true", help=f"every shape of the grid instead of --sizes ({len(GRID)})")
     p.add_argument("--rounds", type=int, default=2, help="rounds of (engine run, TRL run) per size")
     p.add_argument("--steps", type=int, default=3, help="measured optimizer steps per run")
     p.add_argument("--warmup-steps", type=int, default=1, help="optimizer steps run first in each run, not measured")
@@ -75,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output", type=Path, default=None, help="also write every number to this JSON file")
     p.add_argument("--trl-worker", type=Path, default=None, help=argparse.SUPPRESS)  # internal: one TRL run
     args = p.parse_args(argv)
+    if args.grid:
+        args.sizes = GRID
     if args.trl_worker is None:
         if args.batch % args.num_generations:
             p.error(f"--batch: {args.batch} is not a multiple of --num-generations={args.num_generations}")
@@ -88,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------- assets (project venv)
 
 
-def build_assets(root: Path, hidden: int, layers: int, vocab: int, args: argparse.Namespace) -> dict:
+def build_assets(root: Path, hidden: int, layers: int, vocab: int, mult: int, args: argparse.Namespace) -> dict:
     """Tokenizer, policy, same-shape reward model and a prompt file; returns their paths and sizes."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Qwen2Config
 
@@ -102,7 +112,7 @@ def build_assets(root: Path, hidden: int, layers: int, vocab: int, args: argpars
     # BPE stops early when the corpus runs out of merges; the model's vocabulary is then padded to `vocab`
     # rows (ids the tokenizer never produces), so the LM head and embedding have the requested size.
     model_vocab = max(vocab, len(tokenizer))
-    shape = dict(vocab_size=model_vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+    shape = dict(vocab_size=model_vocab, hidden_size=hidden, intermediate_size=mult * hidden, num_hidden_layers=layers,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                  bos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
@@ -272,7 +282,8 @@ def compare(results: dict[str, list[dict]]) -> dict:
 def print_size(size: dict, args: argparse.Namespace) -> None:
     a, c = size["assets"], size["comparison"]
     padded = (f", padded to {a['model_vocab']} in the model" if a["model_vocab"] > a["tokenizer_vocab"] else "")
-    print(f"model     qwen2, hidden {size['hidden']}, {size['layers']} layers, vocab {a['model_vocab']} "
+    print(f"model     qwen2, hidden {size['hidden']}, {size['layers']} layers, intermediate {size['intermediate']}, "
+          f"vocab {a['model_vocab']} "
           f"(tokenizer {a['tokenizer_vocab']}{padded}): {a['params'] / 1e6:.1f}M params; reward model same shape")
     print(f"load      1-min load average {size['load_before']:.2f} before, {size['load_after']:.2f} after"
           f"{'  << machine loaded (> 1.5): times inflated' if max(size['load_before'], size['load_after']) > 1.5 else ''}")
@@ -294,6 +305,24 @@ def print_size(size: dict, args: argparse.Namespace) -> None:
           f"engine speed-up {c['speedup']:.2f}x TRL steps/s")
     print(f"  median peak RSS: engine {c['engine_peak_rss_mib']:.0f} MiB, TRL {c['trl_peak_rss_mib']:.0f} MiB  ->  "
           f"engine/TRL {c['rss_ratio']:.2f}\n")
+
+
+def print_table(sizes: list[dict]) -> None:
+    """Every shape in one table, then the worst and the best shape's speed-up (a headline quotes both)."""
+    print("| shape (hidden, layers, intermediate, vocab) | params | TRL s/step | engine s/step | speed | peak RSS ratio "
+          "| load before/after |")
+    print("|---|---|---|---|---|---|---|")
+    for z in sizes:
+        a, c = z["assets"], z["comparison"]
+        print(f"| {z['hidden']}, {z['layers']}, {z['intermediate']}, {a['model_vocab']:,} | {a['params'] / 1e6:.1f}M "
+              f"| {c['trl_s_per_step']:.2f} | {c['engine_s_per_step']:.2f} | **{c['speedup']:.2f}x** "
+              f"| **{c['rss_ratio']:.2f}x** | {z['load_before']:.2f} / {z['load_after']:.2f} |")
+    worst = min(sizes, key=lambda z: z["comparison"]["speedup"])
+    best = max(sizes, key=lambda z: z["comparison"]["speedup"])
+    for name, z in (("worst", worst), ("best", best)):
+        print(f"{name} shape: {z['hidden']}x{z['layers']}, intermediate {z['intermediate']}, vocab "
+              f"{z['assets']['model_vocab']}: {z['comparison']['speedup']:.2f}x TRL steps/s, "
+              f"{z['comparison']['rss_ratio']:.2f}x its peak RSS")
 
 
 def trl_version(python: Path) -> str:
@@ -319,10 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"runs      {args.rounds} rounds of engine, TRL (alternating); each {args.warmup_steps} warmup + "
           f"{args.steps} measured steps; s/step = each trainer's own optimizer-step time; RSS = ru_maxrss per process\n")
     sizes = []
-    for hidden, layers, vocab in args.sizes:
+    for hidden, layers, vocab, mult in args.sizes:
         with tempfile.TemporaryDirectory(prefix="rloo-vs-trl-") as tmp:
             root = Path(tmp)
-            assets = build_assets(root, hidden, layers, vocab, args)
+            assets = build_assets(root, hidden, layers, vocab, mult, args)
             load_before = os.getloadavg()[0]
             runs: dict[str, list[dict]] = {side: [] for side in SIDES}
             for round_ in range(args.rounds):
@@ -331,10 +360,11 @@ def main(argv: list[str] | None = None) -> int:
                     work.mkdir()
                     run = run_engine(args, assets, work) if side == "engine" else run_trl(args, assets, work)
                     runs[side].append(run)
-            size = {"hidden": hidden, "layers": layers, "assets": assets, "runs": runs,
+            size = {"hidden": hidden, "layers": layers, "intermediate": mult * hidden, "assets": assets, "runs": runs,
                     "load_before": load_before, "load_after": os.getloadavg()[0], "comparison": compare(runs)}
         print_size(size, args)
         sizes.append(size)
+    print_table(sizes)
     if args.output:
         args.output.write_text(json.dumps({"trl": trl_ver, "torch": torch_ver, "args": {
             k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "sizes": sizes}, indent=2) + "\n")
