@@ -45,6 +45,7 @@ from rloo_engine.pipeline.multinode import (
 from rloo_engine.pipeline.train_launch import launch_command, raise_for_exit
 from rloo_engine.pipeline.vllm_server import VLLMServerFailed, running_vllm_server, serve_command
 from tasks.secrets import secret_env
+from tasks.train import gpu_slot
 
 
 def _run_dir(spec: NodeSpec) -> Path:
@@ -97,15 +98,16 @@ def train_on_this_node(spec: NodeSpec, report: NodeReport) -> dict:
     log_path = run_dir / "nodes" / f"{spec.name}.log"
     logger.info("launching %s: %s", spec.name, " ".join(cmd))
     try:
-        outcome = run_in_process_group(
-            cmd,
-            env=env,
-            log_path=log_path,
-            on_line=ThrottledLineLogger(logger, launch.log_interval_seconds),
-            timeout_seconds=launch.timeout_seconds,
-            kill_grace_seconds=launch.kill_grace_seconds,
-            stop_when=controller_ended,
-        )
+        with gpu_slot(launch.gpu_concurrency_limit):  # `{hostname}` is this node's
+            outcome = run_in_process_group(
+                cmd,
+                env=env,
+                log_path=log_path,
+                on_line=ThrottledLineLogger(logger, launch.log_interval_seconds),
+                timeout_seconds=launch.timeout_seconds,
+                kill_grace_seconds=launch.kill_grace_seconds,
+                stop_when=controller_ended,
+            )
     except LaunchTimeout as err:
         raise TimeoutError(f"launch.timeout_seconds: {spec.name} {err}; its process group was killed") from None
     except LaunchStopped as err:

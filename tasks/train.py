@@ -134,7 +134,7 @@ def _launch_here(
     if training_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = training_devices
     server_log = out / "vllm_server.log"
-    slot = _gpu_slot(cfg.launch.gpu_concurrency_limit)
+    slot = gpu_slot(cfg.launch.gpu_concurrency_limit)
     try:
         with slot, _vllm_server(cfg, sft_path, server_url, server_devices, server_log) as running:
             if running is not None:
@@ -217,7 +217,7 @@ def _vllm_server(cfg: PipelineConfig, model_path: str, url: str | None, devices:
     )
 
 
-def _gpu_slot(limit_name: str | None):
+def gpu_slot(limit_name: str | None):
     """Holds one slot of a Prefect global concurrency limit while training, when one is configured."""
     if not limit_name:
         return nullcontext()

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from tasks.train import _gpu_slot
+from tasks.train import gpu_slot
 
 pytestmark = pytest.mark.slow
 
@@ -18,9 +18,9 @@ def test_training_holds_the_node_slot_and_a_missing_limit_fails_loudly(services)
         from prefect.client.orchestration import get_client
 
         with get_client(sync_client=True) as client:
-            with _gpu_slot("gpu-node-{hostname}"):
+            with gpu_slot("gpu-node-{hostname}"):
                 assert client.read_global_concurrency_limit_by_name(name).active_slots == 1
             assert client.read_global_concurrency_limit_by_name(name).active_slots == 0
         with pytest.raises(Exception, match="gpu-node-nowhere"):
-            with _gpu_slot("gpu-node-nowhere"):
+            with gpu_slot("gpu-node-nowhere"):
                 pass
