@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -57,3 +59,13 @@ def tiny_pipeline_config(assets: dict[str, Path], output_root: Path) -> dict[str
         },
         "output_root": str(output_root),
     }
+
+
+def training_processes(flow_run_id: str) -> list[psutil.Process]:
+    """The accelerate launcher and engine processes of this flow run (their command lines hold its output dir)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if flow_run_id in cmdline and "rloo_config.yaml" in cmdline:
+            found.append(proc)
+    return found

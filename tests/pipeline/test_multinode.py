@@ -22,6 +22,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.pipeline.conftest import start_node_worker
+from tests.pipeline.pipeline_helpers import training_processes
 
 pytestmark = pytest.mark.slow
 
@@ -65,14 +66,6 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def run_dir_of(deployed, flow_run_id: str) -> Path:
     return Path(deployed.mlflow_runs(flow_run_id)["pipeline"].data.tags["rloo.output_dir"])
 
-
-def engine_processes(flow_run_id: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if flow_run_id in cmdline and "rloo_config.yaml" in cmdline:
-            found.append(proc)
-    return found
 
 
 def node_flow_runs(deployed, flow_run_id: str) -> list:
@@ -139,7 +132,7 @@ def test_ddp_on_two_nodes_equals_one_machine_with_two_processes(deployed, nodes,
     # process, 1 with two processes on one machine), so matmuls sum in another order; 8 AdamW steps move the
     # weights by ~1e-2 and turn that rounding into ~1e-6 (measured 1.5e-6).
     assert worst <= 1e-5, f"2 nodes x 1 process vs 1 machine x 2 processes: max |diff| {worst}"
-    assert not engine_processes(flow_run_id)
+    assert not training_processes(flow_run_id)
 
 
 def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
@@ -160,7 +153,7 @@ def test_a_killed_node_fails_the_run_naming_it_and_a_retry_resumes_to_the_straig
     wait_for(lambda: any(train_dir.glob("checkpoint-*")), 180, "a first checkpoint", poll=0.1)
 
     def node1_engine():
-        return [p for p in engine_processes(flow_run_id) if "node-1.rloo_config" in " ".join(p.cmdline())
+        return [p for p in training_processes(flow_run_id) if "node-1.rloo_config" in " ".join(p.cmdline())
                 and "accelerate" not in " ".join(p.cmdline())]
 
     victim = node1_engine()
@@ -174,7 +167,7 @@ def test_a_killed_node_fails_the_run_naming_it_and_a_retry_resumes_to_the_straig
     print(f"the flow run was Failed {took:.0f} s after node 1's engine was killed")
     assert "node-1 on" in run.state.message and "killed by SIGKILL" in deployed.logs(flow_run_id)
     assert "node-1 on" in deployed.logs(flow_run_id)
-    wait_for(lambda: not engine_processes(flow_run_id), 15, "every engine process gone")
+    wait_for(lambda: not training_processes(flow_run_id), 15, "every engine process gone")
     states = {r.name.rsplit("-", 1)[-1]: r.state.name for r in node_flow_runs(deployed, flow_run_id)}
     assert states["1"] == "Failed" and states["0"] in {"Failed", "Cancelled"}, states  # rank 0 may see the loss first
     (Path(os.environ.get("RLOO_TEST_REPORT_DIR", train_dir.parent)) / "node_failure_message.txt").write_text(
@@ -226,7 +219,7 @@ def test_a_controller_killed_outright_takes_its_nodes_training_with_it(deployed,
     assert len(controller) == 1, controller  # the gpu-pool worker runs one flow run: this one
     controller[0].send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
-    wait_for(lambda: not engine_processes(flow_run_id), 60, "every node's engine gone after the controller died")
+    wait_for(lambda: not training_processes(flow_run_id), 60, "every node's engine gone after the controller died")
     print(f"nodes stopped {time.monotonic() - killed_at:.0f} s after the controller was killed")
     states = wait_for(
         lambda: (s := [r.state.name for r in node_flow_runs(deployed, flow_run_id)]) and all(
@@ -238,7 +231,7 @@ def test_a_controller_killed_outright_takes_its_nodes_training_with_it(deployed,
 
 
 def _engines(flow_run_id: str) -> list[psutil.Process]:
-    return [p for p in engine_processes(flow_run_id) if "accelerate" not in " ".join(p.cmdline())]
+    return [p for p in training_processes(flow_run_id) if "accelerate" not in " ".join(p.cmdline())]
 
 
 def test_a_node_that_does_not_share_the_output_root_fails_before_any_model_loads(deployed, nodes, tmp_path):
@@ -256,4 +249,4 @@ def test_a_node_that_does_not_share_the_output_root_fails_before_any_model_loads
     assert train_task.run_count == 1, "a node without the shared directory is a configuration error: no retry"
     train_dir = run_dir_of(deployed, flow_run_id) / "train"
     assert not list(train_dir.glob("checkpoint-*")) and not (train_dir / "metrics.jsonl").exists()
-    wait_for(lambda: not engine_processes(flow_run_id), 15, "every engine process gone")
+    wait_for(lambda: not training_processes(flow_run_id), 15, "every engine process gone")

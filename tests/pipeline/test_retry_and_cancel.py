@@ -10,6 +10,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.pipeline.pipeline_helpers import training_processes
+
 pytestmark = pytest.mark.slow
 
 
@@ -39,16 +41,6 @@ def test_retry_resumes_from_the_checkpoint_the_crashed_attempt_left(deployed):
     assert steps == [2, 4, 6, 8]
 
 
-def _training_processes(flow_run_id: str) -> list[psutil.Process]:
-    """The accelerate launcher and engine processes of this flow run (their command lines hold its output dir)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if flow_run_id in cmdline and "rloo_config.yaml" in cmdline:
-            found.append(proc)
-    return found
-
-
 def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     alive = []
     for p in procs:
@@ -71,7 +63,7 @@ def start_long_training(deployed, registered_model: str) -> tuple[str, list[psut
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         runs = deployed.mlflow_runs(flow_run_id)
-        procs = _alive(_training_processes(flow_run_id))
+        procs = _alive(training_processes(flow_run_id))
         if "train" in runs and procs and client.get_metric_history(runs["train"].info.run_id, "reward"):
             return flow_run_id, procs
         time.sleep(1)
@@ -90,7 +82,7 @@ def test_cancelling_during_training_kills_the_process_group_and_marks_the_run_ki
     while _alive(procs) and time.monotonic() - cancelled_at < 30:
         time.sleep(0.5)
     assert not _alive(procs), f"still running 30 s after cancel: {[p.pid for p in _alive(procs)]}"
-    assert not _alive(_training_processes(flow_run_id))
+    assert not _alive(training_processes(flow_run_id))
 
     def train_status() -> str:
         return client.get_run(deployed.mlflow_runs(flow_run_id)["train"].info.run_id).info.status
