@@ -220,6 +220,25 @@ class RLOOConfig(StrictModel):
         "modes zero anything below it. None = no lower bound.",
         gt=0.0,
     )
+    async_generation: bool = F(
+        False,
+        "Server mode: generate the next batch while the policy updates on this one (one-step off-policy, as veRL "
+        "and OpenRLHF offer), so the server and the trainer compute at the same time. Batch k+1 is sampled from "
+        "the weights batch k started from; `vllm_importance_sampling_correction` (required) weights each "
+        "completion by pi_old / pi_vllm, which then covers the staleness as well as vLLM's numerics, and "
+        "`async/staleness` logs the optimizer steps between the weights that sampled a batch and those it is "
+        "first trained on. `timing/generation_s` becomes the time the trainer waited for the server. Needs "
+        "`use_vllm: true` and `vllm_mode: server`.",
+    )
+    max_staleness: int = F(
+        1,
+        "With `async_generation`: how many generation batches the server may run ahead of the trainer. 1: batch "
+        "k+1 generates during the update on batch k. 0: no overlap, the same run as without "
+        "`async_generation`. At most 1: the server holds one set of weights and takes new ones only between "
+        "batches.",
+        ge=0,
+        le=1,
+    )
     generation_kwargs: dict[str, Any] = F({}, "Extra keyword arguments for the generation backend (override the above).")
     chat_template_kwargs: dict[str, Any] = F(
         {}, "Extra keyword arguments for `apply_chat_template` on conversational prompts (e.g. `enable_thinking`)."
@@ -345,6 +364,8 @@ class RLOOConfig(StrictModel):
                              "URL such as http://127.0.0.1:8000")
         if self.vllm_importance_sampling_correction:
             self._check_importance_sampling()
+        if self.async_generation:
+            self._check_async_generation()
         if self.bf16 and self.fp16:
             raise ValueError("bf16 and fp16: both true; choose one mixed-precision mode")
         if self.sync_ref_model and (self.use_peft or self.beta == 0):
@@ -361,6 +382,21 @@ class RLOOConfig(StrictModel):
         if self.lr_scheduler_type not in _SCHEDULERS:
             raise ValueError(f"lr_scheduler_type: {self.lr_scheduler_type!r}; expected one of {sorted(_SCHEDULERS)}")
         return self
+
+    def _check_async_generation(self) -> None:
+        if not (self.use_vllm and self.vllm_mode == "server"):
+            raise ValueError(
+                f"async_generation: true with use_vllm: {str(self.use_vllm).lower()}, vllm_mode: {self.vllm_mode!r}; "
+                "it overlaps a vLLM server's generation with the update, so it needs use_vllm: true and "
+                "vllm_mode: server"
+            )
+        if self.max_staleness > 0 and not self.vllm_importance_sampling_correction:
+            raise ValueError(
+                f"async_generation: true with max_staleness: {self.max_staleness} and "
+                "vllm_importance_sampling_correction: false; batches are sampled from weights up to "
+                f"{self.max_staleness} step(s) old, and only the importance weights correct the update for it; "
+                "set vllm_importance_sampling_correction: true (or max_staleness: 0)"
+            )
 
     def _check_importance_sampling(self) -> None:
         if not self.use_vllm:

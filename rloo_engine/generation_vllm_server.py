@@ -6,6 +6,9 @@ scores. Weights go through vLLM's weight-transfer API (`/init_weight_transfer_en
 ...): NCCL on GPU, the `rloo_gloo` engine on CPU. After each sync `/update_weight_version` sets the server's
 weight version to the trainer's optimizer step.
 
+With `async_generation` the trainer `submit`s the next batch's prompts before updating on this one and
+`collect`s them after, so the server generates while the trainer computes (one step off-policy).
+
 Every call is bounded by `vllm_server_timeout`: a server that is down, dies or hangs fails the step with a
 `VLLMServerError` naming the URL, on every rank, never a silent wait.
 """
@@ -14,9 +17,11 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
@@ -110,6 +115,23 @@ def _address_towards(host: str) -> str:
         return probe.getsockname()[0]
 
 
+@dataclass
+class InFlight:
+    """A generation request `submit` sent: this rank's prompt ids, and rank 0's future of everyone's results."""
+
+    ids: list[list[int]]
+    num_generations: int
+    start: int  # this rank's first row in everyone's results
+    result: Future
+
+
+def _fill(future: Future, work) -> None:
+    try:
+        future.set_result(work())
+    except BaseException as err:  # noqa: BLE001  raised again where `collect` waits, on every rank
+        future.set_exception(err)
+
+
 class VLLMServerBackend:
     serves_after_training = True  # the trainer pushes the final weights: the server then serves the trained policy
 
@@ -184,13 +206,17 @@ class VLLMServerBackend:
         # Per prompt, not per batch: the same prompts get the same samples however they are split over ranks.
         return zlib.crc32(json.dumps([self.seed, self.calls, occurrence, ids]).encode()) & 0x7FFFFFFF
 
-    def _complete_all(self, prompt_ids: list[list[int]], n: int) -> list[tuple[list[int], list[float]]]:
+    def _seeds(self, prompt_ids: list[list[int]]) -> list[int]:
         seen: dict[str, int] = {}
         seeds = []
         for ids in prompt_ids:
             key = json.dumps(ids)
             seen[key] = seen.get(key, -1) + 1
             seeds.append(self._seed(ids, seen[key]))
+        return seeds
+
+    def _complete_all(self, prompt_ids: list[list[int]], n: int,
+                      seeds: list[int]) -> list[tuple[list[int], list[float]]]:
         with ThreadPoolExecutor(max_workers=min(16, len(prompt_ids))) as pool:
             replies = list(pool.map(lambda a: self._request(*a), [(ids, n, s) for ids, s in zip(prompt_ids, seeds)]))
         out = []
@@ -202,16 +228,36 @@ class VLLMServerBackend:
 
     @torch.no_grad()
     def generate(self, prompts: list[str], num_generations: int, add_special_tokens: bool = False) -> Rollout:
+        return self.collect(self.submit(prompts, num_generations, add_special_tokens))
+
+    def submit(self, prompts: list[str], num_generations: int, add_special_tokens: bool = False) -> InFlight:
+        """Sends every rank's prompts to the server and returns at once (`async_generation`); `collect` waits.
+
+        The collective part (gathering the prompts on rank 0) runs here, in the caller's thread; the HTTP
+        requests run on a daemon thread of rank 0, so the update can run meanwhile and no collective ever
+        runs off the main thread."""
         from accelerate.utils import gather_object
 
-        tok = self.tokenizer
-        ids = prompt_token_ids(tok, prompts, self.params.max_prompt_length, add_special_tokens)
+        ids = prompt_token_ids(self.tokenizer, prompts, self.params.max_prompt_length, add_special_tokens)
         everyone = gather_object([ids]) if self.acc.num_processes > 1 else [ids]
         self.calls += 1
-        results = self._on_main(lambda: self._complete_all([p for rank in everyone for p in rank], num_generations))
+        result: Future = Future()
+        if self.acc.is_main_process:
+            everyone_ids = [p for rank in everyone for p in rank]
+            seeds = self._seeds(everyone_ids)  # now: they depend on `calls`
+            threading.Thread(target=_fill, args=(result, lambda: self._complete_all(everyone_ids, num_generations,
+                                                                                     seeds)),
+                             daemon=True, name="rloo-vllm-generate").start()
         start = sum(len(r) for r in everyone[: self.acc.process_index]) * num_generations
-        mine = results[start: start + len(ids) * num_generations]
-        return _to_rollout(ids, [c for c, _ in mine], num_generations, tok.pad_token_id, self.eos_ids,
+        return InFlight(ids, num_generations, start, result)
+
+    @torch.no_grad()
+    def collect(self, request: InFlight) -> Rollout:
+        """Waits for `request` (every rank: the results are broadcast from rank 0) and returns this rank's rollout."""
+        results = self._on_main(request.result.result)
+        G = request.num_generations
+        mine = results[request.start: request.start + len(request.ids) * G]
+        return _to_rollout(request.ids, [c for c, _ in mine], G, self.tokenizer.pad_token_id, self.eos_ids,
                            [lp for _, lp in mine])
 
     # ------------------------------------------------------------------ weights

@@ -14,6 +14,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate.utils import DistributedType, set_seed
@@ -42,7 +43,13 @@ from rloo_engine.distributed import (
     prepare_frozen_model,
 )
 from rloo_engine.fault_injection import crash, crash_step, maybe_kill
-from rloo_engine.generation import GenerationBackend, HFGenerationBackend, SamplingParams, logit_processors_in_use
+from rloo_engine.generation import (
+    GenerationBackend,
+    HFGenerationBackend,
+    Rollout,
+    SamplingParams,
+    logit_processors_in_use,
+)
 from rloo_engine.metrics import MetricsLogger
 from rloo_engine.models import (
     eos_token_ids,
@@ -66,6 +73,18 @@ from rloo_engine.run_continuity import check_start, clear_previous_outputs, conf
 from rloo_engine.run_lock import acquire_run_lock
 from rloo_engine.shared_output_dir import check_output_dir_shared
 from rloo_engine.train_preflight import check_before_loading, model_position_limit, prompt_token_budget
+
+
+@dataclass
+class PromptDraw:
+    """One generation batch's prompts, drawn before they are generated (with `async_generation`, a batch ahead)."""
+
+    rows: list[dict]
+    rendered: list[str]
+    conversational: bool
+    weights_step: int  # the optimizer step whose weights generate it
+    sampler_state: dict  # the prompt sampler before this draw, for a checkpoint taken while it is in flight
+    request: Any = None  # the server request `submit` sent (async_generation); None: generated when collected
 
 
 @dataclass
@@ -138,6 +157,7 @@ class RLOOTrainer:
         self.global_step = 0
         self.synced_step = -1  # optimizer step whose weights the generation backend holds
         self.batch: GenerationBatch | None = None
+        self.in_flight: PromptDraw | None = None  # async_generation: the next batch, generating on the server
         self.cursor = 0  # micro-batches of `self.batch` consumed, over all its iterations
         self.window: dict[str, list[float]] = defaultdict(list)
         self.last_samples: list[dict] = []
@@ -216,19 +236,50 @@ class RLOOTrainer:
         self.window[f"timing/{name}_s"].append(time.perf_counter() - start)
 
     # ------------------------------------------------------------------ one generation batch
-    @torch.no_grad()
-    def generation_step(self) -> GenerationBatch:
-        """Samples prompts, generates G completions each, scores them and computes advantages."""
-        c, G = self.cfg, self.cfg.num_generations
-        num_prompts = c.per_device_train_batch_size * self.steps_per_generation // G
+    def _draw_prompts(self) -> PromptDraw:
+        """The next batch's prompts, generated from this step's weights: sent to the server at once with
+        `async_generation`, else generated when `_rollout` asks."""
+        if self.synced_step != self.global_step:  # e.g. a vLLM backend holds its own weights
+            self._sync_backend()
+        c = self.cfg
+        before = self.sampler.state_dict()
+        num_prompts = c.per_device_train_batch_size * self.steps_per_generation // c.num_generations
         rows = [self.dataset[i] for i in self.sampler.next_indices(num_prompts)]
-        prompts = [r["prompt"] for r in rows]
-        rendered = [render_prompt(self.tokenizer, p, c.chat_template_kwargs) for p in prompts]
-        conversational = is_conversational(prompts[0])
-
-        with self._timed("generation"):
+        rendered = [render_prompt(self.tokenizer, r["prompt"], c.chat_template_kwargs) for r in rows]
+        draw = PromptDraw(rows, rendered, is_conversational(rows[0]["prompt"]), self.global_step, before)
+        if c.async_generation:
             # A chat template writes its own special tokens (BOS); plain prompts get the tokenizer's.
-            rollout = self.backend.generate(rendered, G, add_special_tokens=not conversational)
+            draw.request = self.backend.submit(rendered, c.num_generations, add_special_tokens=not draw.conversational)
+        return draw
+
+    def _rollout(self, draw: PromptDraw) -> Rollout:
+        with self._timed("generation"):  # with async_generation: the wait for the server
+            if draw.request is not None:
+                return self.backend.collect(draw.request)
+            return self.backend.generate(draw.rendered, self.cfg.num_generations,
+                                         add_special_tokens=not draw.conversational)
+
+    def _prefetches(self, micro_per_batch: int) -> bool:
+        """Whether the server should generate the batch after the next one while the trainer updates: only
+        with `async_generation` and `max_staleness` 1, and only if the run needs another batch."""
+        c = self.cfg
+        if not (c.async_generation and c.max_staleness > 0):
+            return False
+        return (self.total_steps - self.global_step) * c.gradient_accumulation_steps > micro_per_batch
+
+    @torch.no_grad()
+    def generation_step(self, prefetch_next: bool = False) -> GenerationBatch:
+        """Generates G completions for each prompt of a batch (the one in flight, else a new draw), scores them
+        and computes advantages. `prefetch_next`: first send the next batch's prompts to the server."""
+        c, G = self.cfg, self.cfg.num_generations
+        draw, self.in_flight = self.in_flight or self._draw_prompts(), None
+        rollout = self._rollout(draw)
+        if prefetch_next:
+            self.in_flight = self._draw_prompts()  # it generates while this batch is scored and trained on
+        if c.async_generation:
+            self.window["async/staleness"].append(float(self.global_step - draw.weights_step))
+        rows, rendered, conversational = draw.rows, draw.rendered, draw.conversational
+        prompts = [r["prompt"] for r in rows]
         completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         completion_ids = [ids[m.bool()].tolist() for ids, m in zip(rollout.completion_ids, rollout.completion_mask)]
 
@@ -384,9 +435,7 @@ class RLOOTrainer:
         self.policy.train()
         while self.global_step < self.total_steps:
             if self.batch is None or self.cursor == micro_per_batch:
-                if self.synced_step != self.global_step:  # e.g. a vLLM backend holds its own weights
-                    self._sync_backend()
-                self.batch, self.cursor = self.generation_step(), 0
+                self.batch, self.cursor = self.generation_step(prefetch_next=self._prefetches(micro_per_batch)), 0
             mb = self.batch.micro_batch(self.cursor % self.steps_per_generation, c.per_device_train_batch_size)
             self.cursor += 1
             with self._timed("policy_update"), self.acc.accumulate(self.policy):
@@ -423,6 +472,9 @@ class RLOOTrainer:
                 crash(crash_at)
             step_start = time.perf_counter()  # after logging and saving, so they are not billed to the next step
         bar.close()
+        if self.in_flight is not None:  # a batch the run turned out not to need: the server must finish it first
+            self._rollout(self.in_flight)
+            self.in_flight = None
         if getattr(self.backend, "serves_after_training", False) and self.synced_step != self.global_step:
             self._sync_backend()  # a server outlives the run: leave it serving the trained policy
         final = ckpt.save_final(self.acc, self.policy, self.tokenizer, out, self._fresh_policy)
@@ -472,7 +524,9 @@ class RLOOTrainer:
                        f"{r['prompt'][-60:]!r} -> {r['completion'][:120]!r}")
 
     def _trainer_state(self) -> dict:
-        return {"global_step": self.global_step, "sampler": self.sampler.state_dict(), "cursor": self.cursor,
+        # A batch still in flight is not saved: a resumed run draws its prompts again.
+        sampler = self.in_flight.sampler_state if self.in_flight is not None else self.sampler.state_dict()
+        return {"global_step": self.global_step, "sampler": sampler, "cursor": self.cursor,
                 "total_steps": self.total_steps, "num_processes": self.acc.num_processes,
                 "config": config_snapshot(self.cfg)}  # a resume checks it continues the same trajectory
 

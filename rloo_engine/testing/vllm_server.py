@@ -22,8 +22,11 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: Path, log: Path, port: int | None = None, *extra: str, threads: int | None = 1):
-        """`threads`: OMP_NUM_THREADS of the server (1 keeps tests beside it responsive; None: vLLM's own choice)."""
+    def __init__(self, model: Path, log: Path, port: int | None = None, *extra: str, threads: int | None = 1,
+                 cpus: set[int] | None = None):
+        """`threads`: OMP_NUM_THREADS of the server (1 keeps tests beside it responsive; None: vLLM's own choice).
+        `cpus`: the only CPUs its processes may run on, its worker's OpenMP threads bound to them (a bench gives
+        the server and the trainer a core each: vLLM's processes busy-poll for a second after each step)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -34,12 +37,19 @@ class Server:
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a real server runs its engine core as vLLM ships it
+        if cpus:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(cpus)))
         parent = os.getpid()
+
+        def prepare() -> None:
+            die_with_parent(parent)  # a killed test or bench leaves no server behind
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rloo_engine", "vllm-serve", "--model", str(model), "--host", "127.0.0.1",
              "--port", str(self.port), "--dtype", "float32", "--seed", "0", *extra],
-            env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=lambda: die_with_parent(parent))  # a killed test or bench leaves no server behind
+            env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=prepare)
         self.wait_healthy()
 
     def wait_healthy(self, timeout: float = 240) -> None:

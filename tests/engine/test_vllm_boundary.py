@@ -145,6 +145,32 @@ def test_bad_importance_sampling_options_are_refused_at_load_time(flags, message
         parse_train_args(IS_FLAGS + flags)
 
 
+SERVER = ["--use_vllm", "true", "--vllm_mode", "server"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--async_generation", "true"], r"async_generation: true with use_vllm: false, vllm_mode: 'colocate'"),
+    (["--use_vllm", "true", "--async_generation", "true"], r"needs use_vllm: true and vllm_mode: server"),
+    (SERVER + ["--async_generation", "true"],
+     r"max_staleness: 1 and vllm_importance_sampling_correction: false; .* set vllm_importance_sampling_correction"),
+    (SERVER + ["--async_generation", "true", "--vllm_importance_sampling_correction", "true", "--max_staleness",
+               "2"], r"max_staleness"),
+    (SERVER + ["--max_staleness", "-1"], r"max_staleness"),
+])
+def test_bad_async_generation_options_are_refused_at_load_time(flags, message):
+    from rloo_engine.cli import parse_train_args
+
+    with pytest.raises(ConfigError, match=message):
+        parse_train_args(IS_FLAGS + flags)
+
+
+def test_async_generation_with_max_staleness_0_needs_no_importance_weights():
+    from rloo_engine.cli import parse_train_args
+
+    cfg = parse_train_args(IS_FLAGS + SERVER + ["--async_generation", "true", "--max_staleness", "0"])
+    assert (cfg.async_generation, cfg.max_staleness, cfg.vllm_importance_sampling_correction) == (True, 0, False)
+
+
 def test_sleep_mode_is_refused_without_cuda(qwen2_model):
     from rloo_engine.generation_vllm import VLLMColocateBackend
 

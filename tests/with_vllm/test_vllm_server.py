@@ -4,6 +4,7 @@ mid-run."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -119,6 +120,59 @@ def test_two_training_processes_equal_one(server, vllm_policy, tmp_path):
     # measured 1.4e-4, against 2 steps that move weights by up to 6e-2
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-3
     assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-2
+
+
+def final_weights(out):
+    return AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
+
+
+def test_async_generation_with_max_staleness_0_equals_synchronous_training(server, vllm_policy, tmp_path):
+    runs = {}
+    for name, extra in (("sync", []), ("async0", ["--async_generation", "true", "--max_staleness", "0"])):
+        out = tmp_path / name
+        proc = run(train_command(vllm_policy, out, server.url, "--max_steps", "3", *extra))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[name] = out
+    sync, async0 = read_metrics(runs["sync"]), read_metrics(runs["async0"])
+    assert [r["async/staleness"] for r in async0] == [0.0, 0.0, 0.0]
+    skip = ("timing/", "step_time", "async/")  # wall-clock times, and the metric only async runs log
+    drop = lambda row: {k: v for k, v in row.items() if not k.startswith(skip)}  # noqa: E731
+    assert [drop(r) for r in async0] == [drop(r) for r in sync]  # every value equal, not close
+    a, b = final_weights(runs["sync"]), final_weights(runs["async0"])
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_async_generation_samples_the_next_batch_before_the_update_and_corrects_for_it(server, vllm_policy,
+                                                                                        tmp_path):
+    out = tmp_path / "async1"
+    log_start = len(server.log.read_text())
+    proc = run(train_command(vllm_policy, out, server.url, "--max_steps", "4", "--save_steps", "2",
+                             "--async_generation", "true", "--max_staleness", "1",
+                             "--vllm_importance_sampling_correction", "true"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = read_metrics(out)
+    # batch 1 from the start weights; each later one from the weights one step before those it trains on
+    assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["sampling/importance_sampling_ratio/mean"] > 0 for r in rows)
+    # the weights one step apart really differ, so the trainer's log-probs are no longer vLLM's
+    assert max(r["vllm/logprob_diff_max"] for r in rows[1:]) > 1e-3
+    # batch 2's requests reach the server before the weights of step 1 do; the batch of step 5 is never asked for
+    seen = server.log.read_text()[log_start:]
+    pushes = [i for i in range(len(seen)) if seen.startswith("POST /update_weights", i)]
+    assert len(pushes) == 4  # the start weights, steps 1 and 2 (for batches 3, 4), the final step 4
+    assert seen[pushes[0]:pushes[1]].count("POST /v1/completions") == 2 * 2  # 2 prompts a batch, batches 1, 2
+    assert seen[pushes[-1]:].count("POST /v1/completions") == 0
+    assert server.get("/weight_info")["weight_version"] == "4"
+    ids = AutoTokenizer.from_pretrained(vllm_policy)(PROBE, add_special_tokens=False)["input_ids"]
+    assert max_gap(server.prompt_logprobs(ids), hf_prompt_logprobs(out / "final", ids)) < 1e-4
+    # the checkpoint of step 2 holds batch 3's prompts as not yet drawn: a resume draws them again
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["sampler"]["position"] == 2 * 2
+    again = run(train_command(vllm_policy, out, server.url, "--max_steps", "4", "--async_generation", "true",
+                              "--vllm_importance_sampling_correction", "true", "--resume_from_checkpoint",
+                              str(out / "checkpoint-2")))
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
 
 
 def test_a_killed_server_fails_the_step_naming_it_and_resume_continues_and_a_hung_one_too(vllm_policy, tmp_path):
