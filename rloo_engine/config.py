@@ -156,10 +156,12 @@ class RLOOConfig(StrictModel):
     )
     share_prompt_forward: bool = F(
         True,
-        "Run each distinct prompt once in the log-prob passes (reference, sampling policy) and in the training "
-        "forward and backward, its KV cache shared by its G completions, instead of G times "
-        "(`rloo_engine/prompt_sharing.py`). The same log-probs and gradients up to rounding (~1e-6 in fp32), "
-        "with (G-1)/G of the prompt tokens' compute saved; bench/README.md has what it measured per shape. "
+        "Run each distinct prompt once in the log-prob passes (reference, sampling policy), in the training "
+        "forward and backward, and in a decoder reward model (its common prompt tokens), the KV cache shared by "
+        "the G completions, instead of G times (`rloo_engine/prompt_sharing.py`). The same log-probs, "
+        "gradients and scores up to rounding (~1e-6 in fp32), with (G-1)/G of the prompt tokens' compute "
+        "saved; bench/README.md has what it measured per shape. An encoder reward model (RoBERTa) scores "
+        "whole rows. "
         "Checked at start-up on a probe batch: a model it does not reproduce (another cache layout) uses the "
         "plain forward, with a message. Off for the training forward under `gradient_checkpointing`, which "
         "drops the cache.",

@@ -60,3 +60,48 @@ def shared_prompt_outputs(model, run, input_ids: torch.Tensor, attention_mask: t
                            f"holds {cache.get_seq_length()} positions, expected {P + T}); gradient checkpointing? "
                            "set share_prompt_forward: false")
     return torch.cat([last[inverse], rest[:, :-1]], 1)  # positions P-1 .. P+T-2
+
+
+# ---------------------------------------------------------------- reward models
+def common_prefix_length(rows: list[list[int]]) -> int:
+    """Tokens every row of a run starts with, leaving each row at least one of its own (the score is read there)."""
+    shortest = min(map(len, rows))
+    length = 0
+    while length < shortest - 1 and all(row[length] == rows[0][length] for row in rows):
+        length += 1
+    return length
+
+
+@torch.inference_mode()
+def shared_prefix_scores(model, pad_id: int, rows: list[list[int]], runs: list[range]) -> torch.Tensor | None:
+    """(len(rows),) a decoder reward model's score at each row's last token, each run's common token prefix run
+    once. `runs`: consecutive row ranges that share a prompt. The prefixes are left-padded, the rest right-padded,
+    positions counted over real tokens, so each token keeps the position it has unpadded."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    base = _base(model)
+    lengths = [common_prefix_length(rows[r.start:r.stop]) for r in runs]
+    if not max(lengths):
+        return None  # nothing in common: the caller scores the rows whole
+    inverse = torch.tensor([k for k, r in enumerate(runs) for _ in r], device=device)
+    width = max(lengths)
+    prefix = torch.tensor([[pad_id] * (width - n) + rows[r.start][:n] for r, n in zip(runs, lengths)], device=device)
+    prefix_mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=device)
+    tails = [rows[i][n:] for r, n in zip(runs, lengths) for i in r]
+    tail_width = max(map(len, tails))
+    tail = torch.tensor([t + [pad_id] * (tail_width - len(t)) for t in tails], device=device)
+    tail_mask = torch.tensor([[1] * len(t) + [0] * (tail_width - len(t)) for t in tails], device=device)
+    decoder = base.base_model
+    cache = DynamicCache(config=base.config)
+    cache_arg = {cache_keyword(decoder): cache}
+    decoder(input_ids=prefix, attention_mask=prefix_mask, position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=True, **cache_arg)
+    cache.batch_select_indices(inverse)
+    positions = prefix_mask.sum(-1)[inverse].unsqueeze(-1) + torch.arange(tail_width, device=device)
+    hidden = decoder(input_ids=tail, attention_mask=torch.cat([prefix_mask[inverse], tail_mask], 1),
+                     position_ids=positions, use_cache=True, **cache_arg).last_hidden_state
+    if cache.get_seq_length() != width + tail_width:
+        raise RuntimeError("reward model: the completions did not run on the shared prompt's KV cache")
+    last = tail_mask.sum(-1) - 1
+    return base.score(hidden[torch.arange(len(tails), device=device), last]).float()[:, 0]

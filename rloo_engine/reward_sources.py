@@ -19,6 +19,7 @@ from rloo_engine.config import RLOOConfig
 from rloo_engine.config_base import ConfigError
 from rloo_engine.data import completion_text, is_conversational
 from rloo_engine.import_paths import load_callable
+from rloo_engine.prompt_sharing import common_prefix_length, shared_prefix_scores
 
 
 class RewardError(RuntimeError):
@@ -61,6 +62,7 @@ class RewardModelSource:
         dtype: torch.dtype | str = torch.float32,
         batch_size: int = 16,
         max_length: int = 1024,
+        share_prompts: bool = True,
     ):
         num_labels = _load_or_raise(path_or_id, lambda: AutoConfig.from_pretrained(path_or_id)).num_labels
         if num_labels != 1:
@@ -81,6 +83,9 @@ class RewardModelSource:
         )
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.to(self.device).eval()
+        # A decoder reward model scores a group's common prompt tokens once (prompt_sharing.py), where it can
+        # be checked to give the whole rows' scores; encoders (RoBERTa) and other heads score rows whole.
+        self.share_prompts = share_prompts and self._sharing_reproduces()
 
     def text(self, prompt: str | list[dict], completion: str | list[dict]) -> str:
         """The string the reward model judges: prompt + completion, or the full chat with the reply."""
@@ -100,7 +105,18 @@ class RewardModelSource:
         texts = [self.text(p, c) for p, c in zip(prompts, completions, strict=True)]
         ids = self.tokenizer(texts, truncation=True, max_length=self.max_length,
                              add_special_tokens=add_special)["input_ids"]
-        # Batches of similar lengths pad less: rows are scored longest first, then put back in order.
+        shared = [r for r in _prompt_runs(prompts, self.batch_size)
+                  if len(r) > 1 and common_prefix_length(ids[r.start:r.stop])] if self.share_prompts else []
+        alone = sorted(set(range(len(ids))) - {i for r in shared for i in r})
+        scores = [0.0] * len(ids)
+        for rows, values in ((alone, self._score_rows([ids[i] for i in alone])),
+                             ([i for r in shared for i in r], self._score_shared(ids, shared))):
+            for row, score in zip(rows, values, strict=True):
+                scores[row] = score
+        return scores
+
+    def _score_rows(self, ids: list[list[int]]) -> list[float]:
+        """Each row whole. Batches of similar lengths pad less: rows are scored longest first, then put back."""
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         scores = [0.0] * len(ids)
         for start in range(0, len(order), self.batch_size):
@@ -108,6 +124,36 @@ class RewardModelSource:
             for row, score in zip(rows, self._score_batch([ids[i] for i in rows]), strict=True):
                 scores[row] = score
         return scores
+
+    def _score_shared(self, ids: list[list[int]], runs: list[range]) -> list[float]:
+        """The rows of `runs` (each sharing a prompt's first tokens), in order, at most `batch_size` rows a forward."""
+        scores: list[float] = []
+        batch: list[range] = []
+        for k, run in enumerate(runs):
+            batch.append(run)
+            if k + 1 == len(runs) or sum(map(len, batch)) + len(runs[k + 1]) > self.batch_size:
+                rows = [ids[i] for r in batch for i in r]
+                local, start = [], 0
+                for r in batch:
+                    local.append(range(start, start + len(r)))
+                    start += len(r)
+                scores += shared_prefix_scores(self.model, self.tokenizer.pad_token_id, rows, local).cpu().tolist()
+                batch = []
+        return scores
+
+    def _sharing_reproduces(self) -> bool:
+        """Scores of a fixed probe (two prompts, two continuations each) agree between the two paths."""
+        vocab = self.model.config.vocab_size
+        rows = [[(7919 * i + 13 * j) % vocab for i in range(8 + j % 2)] for j in (0, 0, 1, 1)]
+        for j in (1, 3):
+            rows[j][6:] = [(rows[j][k] + 1) % vocab for k in range(6, len(rows[j]))]  # same prompt, other reply
+        try:
+            shared = shared_prefix_scores(self.model, self.tokenizer.pad_token_id, rows, [range(0, 2), range(2, 4)])
+        except (TypeError, ValueError, RuntimeError, AttributeError, IndexError):
+            return False  # no KV cache to share (an encoder), or another head
+        plain = torch.tensor(self._score_batch(rows))
+        tolerance = 1e-4 if self.model.dtype == torch.float32 else 5e-2
+        return shared is not None and bool((shared.cpu() - plain).abs().max() <= tolerance)
 
     @torch.inference_mode()
     def _score_batch(self, ids: list[list[int]]) -> list[float]:
@@ -126,6 +172,17 @@ class RewardModelSource:
         last_real = (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(-1)  # (B,)
         rows = torch.arange(mask.shape[0], device=mask.device)
         return per_token.logits[rows, last_real, 0].float().cpu().tolist()
+
+
+def _prompt_runs(prompts: list, most: int) -> list[range]:
+    """Consecutive rows with the same prompt (a generation batch repeats each prompt G times), at most `most`
+    rows a run (one forward)."""
+    runs, start = [], 0
+    for i in range(1, len(prompts) + 1):
+        if i == len(prompts) or prompts[i] != prompts[start] or i - start == most:
+            runs.append(range(start, i))
+            start = i
+    return runs
 
 
 class _PerTokenLogits:
@@ -370,6 +427,7 @@ def build_reward_sources(cfg: RLOOConfig, device: str | torch.device) -> list[Re
     """The reward model first (if configured), then each of `reward_funcs`, matching `reward_weights`."""
     sources: list[RewardSource] = []
     if cfg.reward_model_name_or_path:
-        sources.append(RewardModelSource(cfg.reward_model_name_or_path, device=device, dtype=_DTYPES[cfg.dtype]))
+        sources.append(RewardModelSource(cfg.reward_model_name_or_path, device=device, dtype=_DTYPES[cfg.dtype],
+                                         share_prompts=cfg.share_prompt_forward))
     sources.extend(load_reward_function(path) for path in cfg.reward_funcs)
     return sources

@@ -114,3 +114,35 @@ def test_a_model_that_drops_the_cache_fails_loudly_never_scores_completions_with
     ids, mask, P = grouped_batch(model.config.vocab_size)
     with pytest.raises(RuntimeError, match="share_prompt_forward: the completion pass did not run on the prompts"):
         completion_token_logps(model, ids, mask, P, 1.0, share_prompts=True)
+
+
+@pytest.mark.parametrize("fixture", ["reward_model", "reward_model_other_tokenizer"])  # Qwen2, Llama
+def test_a_decoder_reward_model_scores_shared_prompts_as_it_scores_whole_rows(fixture, request):
+    from rloo_engine.reward_sources import RewardModelSource
+
+    path = request.getfixturevalue(fixture)
+    shared, plain = RewardModelSource(str(path), batch_size=5), RewardModelSource(str(path), share_prompts=False)
+    assert shared.share_prompts and not plain.share_prompts
+    prompts = ["the cat sat on the mat and", "a dog ran", "a dog ran"] + ["the bird sang"] * 4
+    completions = [" the dog ran", " far away", " home", " a", " a song about the sea", "", " ok then"]
+    calls = []
+    handle = shared.model.base_model.layers[0].register_forward_hook(lambda m, a, out: calls.append(a[0].shape[0]))
+    try:
+        got = shared(prompts, completions)
+    finally:
+        handle.remove()
+    assert got == pytest.approx(plain(prompts, completions), abs=1e-5)
+    # the lone prompt's row whole; then each run's prompt once and its rows (2 + 4 rows exceed batch_size 5)
+    assert calls == [1, 1, 2, 1, 4]
+
+
+def test_an_encoder_reward_model_scores_rows_whole(tmp_path, policy_tokenizer):
+    from rloo_engine.reward_sources import RewardModelSource
+    from rloo_engine.testing import tiny_models
+
+    path = tiny_models.build_reward_model(tmp_path / "roberta", policy_tokenizer, arch="roberta", seed=3)
+    rm = RewardModelSource(str(path))
+    assert not rm.share_prompts  # bidirectional: a prompt's states depend on the completion, nothing to share
+    prompts, completions = ["a dog ran"] * 2, [" far away", " home"]
+    assert rm(prompts, completions) == pytest.approx(RewardModelSource(str(path), share_prompts=False)(prompts,
+                                                                                                       completions))
