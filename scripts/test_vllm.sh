@@ -43,4 +43,6 @@ export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" VLLM_ENABLE_V1_MULT
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$venv/bin/python" -c "import vllm, transformers, torch; print(f'test-vllm: vllm {vllm.__version__}, transformers {transformers.__version__}, torch {torch.__version__}')"
 [ $# -gt 0 ] || set -- tests/with_vllm
-exec "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider "$@"
+# -rfE --disable-warnings: a failure's own report (its exit cause, the nodes' logs) is the tail of the output, where CI
+# logs are read from; vLLM's and torch's deprecation warnings would bury it.
+exec "$venv/bin/python" -m pytest -q -rsfE --disable-warnings -p no:cacheprovider "$@"

@@ -324,6 +324,22 @@ class Deployed:
             time.sleep(1)
         raise AssertionError(f"flow run {flow_run_id} not in {names} after {timeout} s (now {run.state.name})")
 
+    def failure_report(self, flow_run_id: str, cli, *extra: str) -> str:
+        """Why a flow run failed: the train run's exit cause on the first line (pytest's one-line summary shows it),
+        what the run printed, the worker's and `extra` logs, and last (where a long CI log keeps its tail) the
+        exit cause again and each training node's engine log tail."""
+        try:
+            runs = self.mlflow_runs(flow_run_id)
+        except Exception as err:  # noqa: BLE001 - a report of a failure must not fail itself
+            runs = {"error": f"MLflow runs unreadable: {err}"}
+        cause = runs["train"].data.tags.get("rloo.exit_cause") if "train" in runs else runs.get("error")
+        parts = [f"train exit cause: {' '.join(str(cause).split())[:400]}", cli.stdout, cli.stderr,
+                 self.worker.log_tail(80), *extra, f"train exit cause: {cause}"]
+        if "rloo.output_dir" in (runs["pipeline"].data.tags if "pipeline" in runs else {}):
+            for log in sorted((Path(runs["pipeline"].data.tags["rloo.output_dir"]) / "train" / "nodes").glob("*.log")):
+                parts.append(f"--- {log.name} (last 30 lines)\n" + "\n".join(log.read_text().splitlines()[-30:]))
+        return "\n".join(parts)
+
     def mlflow_runs(self, flow_run_id: str) -> dict[str, Any]:
         """{stage: run} of the flow run's MLflow runs; asserts each stage appears once."""
         c = self.services.mlflow()

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -95,7 +96,7 @@ def one_machine_run(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
 
 def test_ddp_on_two_nodes_equals_one_machine_with_two_processes(deployed, nodes, tmp_path):
     flow_run_id, cli = run_two_nodes(deployed, nodes, {"tracking.registered_model": "tiny-policy-2nodes"})
-    assert cli.returncode == 0, cli.stdout + cli.stderr + deployed.worker.log_tail(80) + worker_logs(nodes)
+    assert cli.returncode == 0, deployed.failure_report(flow_run_id, cli, worker_logs(nodes))
     assert deployed.flow_run(flow_run_id).state.name == "Completed"
 
     # Ingest, reward check, training and evaluation each ran once: one MLflow run per stage.
@@ -170,6 +171,8 @@ def test_a_killed_node_fails_the_run_naming_it_and_a_retry_resumes_to_the_straig
     wait_for(lambda: not training_processes(flow_run_id), 15, "every engine process gone")
     states = {r.name.rsplit("-", 1)[-1]: r.state.name for r in node_flow_runs(deployed, flow_run_id)}
     assert states["1"] == "Failed" and states["0"] in {"Failed", "Cancelled"}, states  # rank 0 may see the loss first
+    report = deployed.failure_report(flow_run_id, SimpleNamespace(stdout="", stderr=""))  # what a failed test prints
+    assert "node-1 on" in report.splitlines()[0] and "--- node-1.log (last 30 lines)" in report, report[-3000:]
     (Path(os.environ.get("RLOO_TEST_REPORT_DIR", train_dir.parent)) / "node_failure_message.txt").write_text(
         run.state.message
     )
@@ -200,7 +203,7 @@ def test_zero3_on_two_nodes(deployed, nodes):
         "tracking.registered_model": "tiny-policy-2nodes-zero3",
     }
     flow_run_id, cli = run_two_nodes(deployed, nodes, overrides)
-    assert cli.returncode == 0, cli.stdout + cli.stderr + worker_logs(nodes)
+    assert cli.returncode == 0, deployed.failure_report(flow_run_id, cli, worker_logs(nodes))
     assert deployed.flow_run(flow_run_id).state.name == "Completed"
     run_dir = run_dir_of(deployed, flow_run_id)
     node1_log = (run_dir / "train" / "nodes" / "node-1.log").read_text()

@@ -39,8 +39,7 @@ def test_a_vllm_server_node_serves_two_training_nodes(deployed, vllm_sft, three_
     )
     flow_run_id, cli = deployed.run("rlhf-pipeline/on-demand", "--param", f"overrides={json.dumps(overrides)}",
                                     timeout=600)
-    tails = "\n".join(w.log_tail(60) for w in three_nodes)
-    assert cli.returncode == 0, cli.stdout + cli.stderr + deployed.worker.log_tail(80) + tails
+    assert cli.returncode == 0, deployed.failure_report(flow_run_id, cli, *(w.log_tail(60) for w in three_nodes))
     assert deployed.flow_run(flow_run_id).state.name == "Completed"
 
     train = deployed.mlflow_runs(flow_run_id)["train"]
