@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.pipeline.conftest import deployed, pipeline_assets, services, start_node_worker  # noqa: F401
 from tests.with_vllm.test_pipeline_vllm import processes_with, vllm_overrides, vllm_sft  # noqa: F401
@@ -42,7 +43,12 @@ def test_a_vllm_server_node_serves_two_training_nodes(deployed, vllm_sft, three_
     assert cli.returncode == 0, deployed.failure_report(flow_run_id, cli, *(w.log_tail(60) for w in three_nodes))
     assert deployed.flow_run(flow_run_id).state.name == "Completed"
 
-    train = deployed.mlflow_runs(flow_run_id)["train"]
+    runs = deployed.mlflow_runs(flow_run_id)
+    train = runs["train"]
+    nodes_dir = Path(runs["pipeline"].data.tags["rloo.output_dir"]) / "train" / "nodes"
+    for node in ("node-0", "node-1"):  # the test's free weight-transfer port reached every training node
+        node_config = yaml.safe_load((nodes_dir / f"{node}.rloo_config.yaml").read_text())
+        assert node_config["vllm_group_port"] == overrides["train.vllm_group_port"], node_config
     url = train.data.tags["rloo.vllm_server_url"]
     assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url)
     assert train.data.params["world_size"] == "2" and train.data.params["launch.vllm_server.placement"] == "node"

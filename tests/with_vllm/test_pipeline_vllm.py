@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from rloo_engine.testing import tiny_models
+from rloo_engine.testing.vllm_server import free_port
 from tests.pipeline.conftest import deployed, pipeline_assets, services  # noqa: F401  (the pipeline suite's fixtures)
 
 pytestmark = pytest.mark.slow
@@ -33,6 +34,9 @@ def vllm_overrides(sft: Path, **changes) -> dict:
         "train.logging_steps": 1,
         "train.save_steps": 2,
         "train.per_device_train_batch_size": 8,
+        # Not the default 51216, inside the ephemeral range: a client socket of the many Prefect and MLflow
+        # connections around a pipeline run, or another test's server, may hold it (as in test_vllm_server).
+        "train.vllm_group_port": free_port(),
         "launch.retries": 0,
         "launch.vllm_server": {"enabled": True, "startup_timeout_s": 180},
         "evaluation.generation.backend": "vllm",
