@@ -138,15 +138,33 @@ def _probe_difference(model, autocast, vocab: int, device, rows: int = 2, **vari
     return (plain.float() - other.float()).abs().max().item()
 
 
+@contextlib.contextmanager
+def frozen(model: torch.nn.Module):
+    """`model`'s parameters with requires_grad off, restored after. Under no_grad that changes no value, but
+    `torch.matmul` picks its kernel path (folding a (B, 1, H) input into one mm or not) by its operands'
+    requires_grad, so a trainable policy and its frozen reference copy could round the same input differently
+    (a KL of 1e-7 between identical models on some CPUs)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.requires_grad_(False)
+    try:
+        yield model
+    finally:
+        for p in trainable:
+            p.requires_grad_(True)
+
+
 @torch.no_grad()
 def batched_token_logps(model, input_ids, attention_mask, prompt_length, temperature, batch_size,
                         chunked: bool = False, share_prompts: bool = False) -> torch.Tensor:
-    """No-grad `completion_token_logps` over a whole generation batch, `batch_size` rows at a time."""
-    parts = [
-        completion_token_logps(model, input_ids[i : i + batch_size], attention_mask[i : i + batch_size],
-                               prompt_length, temperature, chunked=chunked, share_prompts=share_prompts)[0]
-        for i in range(0, input_ids.size(0), batch_size)
-    ]
+    """No-grad `completion_token_logps` over a whole generation batch, `batch_size` rows at a time, with the
+    kernels a frozen model gets (`frozen`)."""
+    with frozen(model):
+        parts = [
+            completion_token_logps(model, input_ids[i : i + batch_size], attention_mask[i : i + batch_size],
+                                   prompt_length, temperature, chunked=chunked, share_prompts=share_prompts)[0]
+            for i in range(0, input_ids.size(0), batch_size)
+        ]
     return torch.cat(parts)
 
 
