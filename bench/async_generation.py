@@ -44,6 +44,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=250, help="optimizer steps per run (the demo's 250)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
+                   help="which modes to run (default both); the ratio needs both")
+    p.add_argument("--train-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an `rloo-engine train` setting for every run of every mode (repeatable), e.g. "
+                        "vllm_importance_sampling_mode=token_truncate, for an A/B of a setting")
     p.add_argument("--assets", default=str(REPO / ".rloo-demo" / "assets"), help="demo asset dir (built if absent)")
     p.add_argument("--plot", default=str(REPO / "docs" / "img" / "async_generation.png"))
     p.add_argument("--output", help="write the runs and the comparison as JSON")
@@ -72,6 +77,17 @@ def train_command(assets, out: Path, url: str, seed: int, steps: int, extra: lis
     return cmd + extra
 
 
+def train_options(pairs: list[str]) -> list[str]:
+    """KEY=VALUE settings as train flags; a malformed one stops the bench before any run."""
+    flags = []
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            sys.exit(f"--train-option {pair!r}: expected KEY=VALUE, e.g. vllm_importance_sampling_clip_max=2")
+        flags += [f"--{key}", value]
+    return flags
+
+
 def run_once(cmd: list[str], out: Path, pin: bool) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     for key in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID"):
@@ -91,7 +107,7 @@ def run_once(cmd: list[str], out: Path, pin: bool) -> dict:
             "staleness": [r.get("async/staleness") for r in rows]}
 
 
-def plot(results: dict, path: Path, ratio: float) -> None:
+def plot(results: dict, path: Path, ratio: float | None, options: list[str]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -111,8 +127,10 @@ def plot(results: dict, path: Path, ratio: float) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("mean reward of the step's completions")
     axes[0].legend(fontsize=7, ncol=2)
-    fig.suptitle(f"RLOO on the demo task, vLLM server mode: synchronous vs async_generation (max_staleness 1), "
-                 f"{ratio:.2f}x the steps/s", fontsize=10)
+    speed = f", {ratio:.2f}x the steps/s" if ratio else ""
+    setting = f"\n{' '.join(options)}" if options else ""
+    fig.suptitle(f"RLOO on the demo task, vLLM server mode: synchronous vs async_generation (max_staleness 1)"
+                 f"{speed}{setting}", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -137,8 +155,9 @@ def main(argv=None) -> None:
                         cpus=SERVER_CPUS if args.placement == "pinned" else None)
         try:
             for seed in args.seeds:
-                for mode, extra in MODES.items():
+                for mode in args.modes:
                     out = Path(tmp) / f"{mode}-{seed}"
+                    extra = MODES[mode] + train_options(args.train_option)
                     run = run_once(train_command(assets, out, server.url, seed, args.steps, extra), out,
                                    pin=args.placement != "none")
                     results[(mode, seed)] = run
@@ -148,13 +167,15 @@ def main(argv=None) -> None:
                           f"{last['rewards/gold_reward/mean']:+.3f}", flush=True)
         finally:
             server.stop()
-    speed = {m: sum(results[(m, s)]["steps_per_s"] for s in args.seeds) / len(args.seeds) for m in MODES}
-    ratio = speed["async"] / speed["sync"]
-    print(f"\nsteps/s: sync {speed['sync']:.2f}, async {speed['async']:.2f}: async is {ratio:.2f}x "
-          f"(placement {args.placement})")
+    speed = {m: sum(results[(m, s)]["steps_per_s"] for s in args.seeds) / len(args.seeds) for m in args.modes}
+    ratio = speed["async"] / speed["sync"] if len(speed) == len(MODES) else None
+    print("\nsteps/s: " + ", ".join(f"{m} {v:.2f}" for m, v in speed.items())
+          + (f": async is {ratio:.2f}x" if ratio else "") + f" (placement {args.placement})")
+    if args.train_option:
+        print("train options, every run: " + " ".join(args.train_option))
     tail = {}
     for key in ("reward", "rewards/gold_reward/mean"):
-        for m in MODES:
+        for m in args.modes:
             # the last 3 logging windows (30 steps) of each seed: one step's mean is noisy on its own
             values = [statistics.fmean(r[key] for r in results[(m, s)]["rows"][-3:]) for s in args.seeds]
             tail[f"{m}/{key}"] = values
@@ -162,7 +183,7 @@ def main(argv=None) -> None:
             print(f"{key}, last 3 logged steps, {m:5s}: mean {statistics.fmean(values):+.3f}{spread}; per seed "
                   + ", ".join(f"{v:+.3f}" for v in values))
     print(f"load average after: {os.getloadavg()[0]:.2f}")
-    plot(results, Path(args.plot), ratio)
+    plot(results, Path(args.plot), ratio, args.train_option)
     print(f"reward curves: {args.plot}")
     if args.output:
         Path(args.output).write_text(json.dumps({
