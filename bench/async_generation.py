@@ -77,17 +77,6 @@ def train_command(assets, out: Path, url: str, seed: int, steps: int, extra: lis
     return cmd + extra
 
 
-def train_options(pairs: list[str]) -> list[str]:
-    """KEY=VALUE settings as train flags; a malformed one stops the bench before any run."""
-    flags = []
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            sys.exit(f"--train-option {pair!r}: expected KEY=VALUE, e.g. vllm_importance_sampling_clip_max=2")
-        flags += [f"--{key}", value]
-    return flags
-
-
 def run_once(cmd: list[str], out: Path, pin: bool) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     for key in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID"):
@@ -139,9 +128,13 @@ def plot(results: dict, path: Path, ratio: float | None, options: list[str]) -> 
 def main(argv=None) -> None:
     args = parse_args(argv)
     sys.path.insert(0, str(REPO))
+    from bench.vs_trl import engine_options
     from rloo_engine.demo.assets import build_demo_assets
     from rloo_engine.testing.vllm_server import Server
 
+    # checked before the assets and the server; appended after a mode's own flags
+    options = [arg for key, value in engine_options(args.train_option, "--train-option").items()
+               for arg in (f"--{key}", value)]
     assets = build_demo_assets(args.assets)
     load_before = os.getloadavg()[0]
     print(f"load average before: {load_before:.2f}; {os.cpu_count()} CPUs; {args.steps} steps per run, seeds "
@@ -157,7 +150,7 @@ def main(argv=None) -> None:
             for seed in args.seeds:
                 for mode in args.modes:
                     out = Path(tmp) / f"{mode}-{seed}"
-                    extra = MODES[mode] + train_options(args.train_option)
+                    extra = MODES[mode] + options
                     run = run_once(train_command(assets, out, server.url, seed, args.steps, extra), out,
                                    pin=args.placement != "none")
                     results[(mode, seed)] = run

@@ -199,7 +199,7 @@ def run_engine(args: argparse.Namespace, assets: dict, work: Path) -> dict:
     flags = {**common_settings(args, assets, out), "model_name_or_path": assets["policy"],
              "reward_model_name_or_path": assets["reward"], "dataset_name": assets["prompts"],
              "max_prompt_length": args.prompt_length, "dtype": "float32", "save_steps": 0, "disable_tqdm": "true",
-             **dict(option.split("=", 1) for option in args.engine_option)}
+             **engine_options(args.engine_option)}
     command = [sys.executable, "-m", "rloo_engine", "train"]
     for key, value in flags.items():
         command += [f"--{key}", str(value)]
@@ -228,6 +228,21 @@ def run_trl(args: argparse.Namespace, assets: dict, work: Path) -> dict:
     lengths = [r["completion_length"] for r in rows if r.get("log_step", 0) > args.warmup_steps]
     return {**usage, "step_s": [r["step_s"] for r in measured],
             "completion_length": statistics.mean(lengths) if lengths else None}
+
+
+def engine_options(pairs: list[str], flag: str = "--engine-option") -> dict[str, str]:
+    """KEY=VALUE `rloo-engine train` settings as {KEY: VALUE}. A pair without `=` or a KEY that is no RLOOConfig
+    field stops the bench at once, before assets are built or any run starts."""
+    from rloo_engine.config import RLOOConfig
+
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in RLOOConfig.model_fields:
+            why = "expected KEY=VALUE" if not sep else f"{key!r} is not an rloo-engine train setting (RLOOConfig)"
+            sys.exit(f"{flag} {pair!r}: {why}, e.g. share_prompt_forward=false")
+        options[key] = value
+    return options
 
 
 def _json_option(option: str) -> tuple[str, object]:
@@ -357,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.trl_worker is not None:
         return trl_worker(args.trl_worker)
     sys.path.insert(0, str(REPO))
+    engine_options(args.engine_option)  # a bad option stops here, before any tokenizer is trained
     import transformers
 
     transformers.logging.set_verbosity_error()
