@@ -108,9 +108,17 @@ def plot(results: dict, path: Path, ratio: float | None, options: list[str]) -> 
                            (axes[1], "rewards/gold_reward/mean", "gold rule (never trained on)")):
         for (mode, seed), run in results.items():
             steps = [r["step"] for r in run["rows"]]
-            ax.plot(steps, [r[key] for r in run["rows"]], color=colours[mode], alpha=0.8, lw=1.2,
+            ax.plot(steps, [r[key] for r in run["rows"]], color=colours[mode], alpha=0.35, lw=0.9,
                     label=f"{mode} (seed {seed})" if ax is axes[0] else None,
                     ls="-" if mode == "sync" else "--")
+        for mode in colours:  # over seeds, step by step: where the runs of a mode sit together
+            runs = [run["rows"] for (m, _), run in results.items() if m == mode]
+            if len(runs) > 1:
+                n = min(len(rows) for rows in runs)
+                ax.plot([r["step"] for r in runs[0][:n]],
+                        [statistics.fmean(rows[i][key] for rows in runs) for i in range(n)], color=colours[mode],
+                        lw=2.2, ls="-" if mode == "sync" else "--",
+                        label=f"{mode}, mean of {len(runs)} seeds" if ax is axes[0] else None)
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
