@@ -86,14 +86,16 @@ def test_the_cpu_profile_starts_every_process_it_is_asked_for(tmp_path):
     script = tmp_path / "world.py"
     script.write_text(
         "import torch.distributed as dist\nfrom accelerate import PartialState\n"
-        "s = PartialState(cpu=True)\nprint('WORLD', s.process_index, s.num_processes, flush=True)\n"
+        "import sys\ns = PartialState(cpu=True)\n"
+        # One file per rank: two ranks printing to one shared pipe interleave ("WORLDWORLD 0 2").
+        "open(f'{sys.argv[1]}/world{s.process_index}', 'w').write(f'WORLD {s.process_index} {s.num_processes}')\n"
         "dist.destroy_process_group() if dist.is_initialized() else None\n"
     )
     cmd = launch_command(LaunchSection(profile="cpu", num_processes=2), tmp_path / "unused.yaml")
     assert cmd[-5:] == ["-m", "rloo_engine", "train", "--config", str(tmp_path / "unused.yaml")]
-    proc = subprocess.run(cmd[:-5] + [str(script)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd[:-5] + [str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("WORLD")) == ["WORLD 0 2", "WORLD 1 2"]
+    assert sorted(p.read_text() for p in tmp_path.glob("world?")) == ["WORLD 0 2", "WORLD 1 2"]
 
 
 def test_a_multi_node_command_carries_its_rank_and_rank_0s_address(tmp_path):
