@@ -240,9 +240,9 @@ class RLOOConfig(StrictModel):
         "completion by pi_old / pi_vllm, which then covers the staleness as well as vLLM's numerics, and "
         "`async/staleness` logs the optimizer steps between the weights that sampled a batch and those it is "
         "first trained on. `timing/generation_s` becomes the time the trainer waited for the server. Needs "
-        "`use_vllm: true` and `vllm_mode: server`. Experimental: on the CPU demo bench one of six seeds "
-        "collapsed into completions that never end (synchronous training: none); watch "
-        "`completions/clipped_ratio` and `sequence_kl`.",
+        "`use_vllm: true` and `vllm_mode: server`. Experimental: on the CPU demo bench (6 seeds) it ends within "
+        "synchronous training's spread at step 250 but lags it mid-run, with dips where completions stop ending "
+        "(on earlier code one seed never recovered); watch `completions/clipped_ratio` and `sequence_kl`.",
     )
     max_staleness: int = F(
         1,
