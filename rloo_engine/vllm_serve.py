@@ -41,8 +41,9 @@ def vllm_server_args(args: argparse.Namespace, cuda: bool) -> list[str]:
         flags += ["--max-model-len", str(args.max_model_len)]
     if args.seed is not None:
         flags += ["--seed", str(args.seed)]
-    if not cuda:
-        flags.append("--enforce-eager")  # CPU: no graphs to capture, and seconds off the start
+    # No --enforce-eager on CPU: vLLM's CPU default traces the model once and compiles it with inductor, ~7 s
+    # more start-up on the demo policy for 1.07x (sync) / 1.11x (async) its server-mode steps/s
+    # (bench/README.md); `-- --enforce-eager` buys the start back.
     return flags + list(args.vllm_args)
 
 
