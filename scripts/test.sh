@@ -6,4 +6,4 @@ bash scripts/setup.sh dev
 venv="${RLOO_VENV:-.venv}"
 echo "lint: ruff check (config in pyproject.toml)"
 "$venv/bin/ruff" check .
-exec "$venv/bin/python" -m pytest -q -rs --durations=30 "$@"
+exec "$venv/bin/python" -m pytest -q -rsfE --durations=30 "$@"

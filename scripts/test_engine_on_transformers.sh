@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The engine tests on another transformers release than the venv's: by default the oldest pyproject.toml allows,
 # so a keyword or an API that only newer releases have cannot come back unnoticed (5.23 and older call the KV
-# cache `past_key_values`, 5.24 calls it `cache`). CI runs it after scripts/test.sh (see .ci/run).
+# cache `past_key_values`, 5.24 calls it `cache`). CI runs it beside scripts/test.sh (.ci/run's lane 2).
 #
 # The release and the huggingface_hub it needs (<2) go into an overlay directory inside the venv, put first on
 # PYTHONPATH; every other package is the main venv's. Installing an overlay takes a few seconds.
@@ -31,4 +31,4 @@ fi
 export PYTHONPATH="$PWD/$overlay${PYTHONPATH:+:$PYTHONPATH}"
 "$py" -c "import sys, transformers, huggingface_hub as h; assert transformers.__version__ == sys.argv[1], transformers.__version__; print(f'engine-on-transformers: transformers {transformers.__version__}, huggingface_hub {h.__version__}')" "$version"
 [ $# -gt 0 ] || set -- tests/engine
-exec "$py" -m pytest -q -rs -p no:cacheprovider "$@"
+exec "$py" -m pytest -q -rsfE -p no:cacheprovider "$@"

