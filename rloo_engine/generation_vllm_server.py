@@ -3,7 +3,7 @@
 Rank 0 talks to the server; the other ranks send it their prompts and wait. Generation goes through the
 OpenAI `/v1/completions` route with prompt token ids, so the server continues exactly the tokens the trainer
 scores. Weights go through vLLM's weight-transfer API (`/init_weight_transfer_engine`, `/update_weights`,
-...): NCCL on GPU, the `rloo_gloo` engine on CPU. After each sync `/update_weight_version` sets the server's
+...): NCCL on GPU, the `rloo_gloo` engine on CPU. Each sync's `/finish_weight_update` also sets the server's
 weight version to the trainer's optimizer step.
 
 With `async_generation` the trainer `submit`s the next batch's prompts before updating on this one and
@@ -44,6 +44,7 @@ class VLLMServerClient:
         self.base_url, self.timeout = base_url.rstrip("/"), timeout
         self.session = requests.Session()
         self.session.trust_env = False  # a cluster's HTTP proxy must not sit between trainer and its server
+        self.next_weight_version: str | None = None  # what the next `finish_weight_update` sets
 
     def _call(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
         import requests
@@ -90,7 +91,10 @@ class VLLMServerClient:
         self.post("/update_weights", {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.post("/finish_weight_update", None if weight_version is None else {"weight_version": weight_version})
+        # vLLM's trainer-side engines call this without a version; the route sets one after the update, so the
+        # version rides on this call instead of a separate `/update_weight_version` (one round trip less a sync).
+        version = self.next_weight_version if weight_version is None else weight_version
+        self.post("/finish_weight_update", None if version is None else {"weight_version": version})
 
 
 class _ItemsSource:
@@ -272,6 +276,7 @@ class VLLMServerBackend:
                 self.source.items = []
 
     def _push(self, step: int) -> None:
+        self.client.next_weight_version = str(step)
         try:
             self.engine.send_weights()
         except VLLMServerError:
@@ -279,7 +284,6 @@ class VLLMServerBackend:
         except Exception as err:  # the group's peer died or timed out mid-transfer
             raise VLLMServerError(f"vLLM server {self.base_url}: weight sync failed: {type(err).__name__}: "
                                   f"{err}") from None
-        self.client.post("/update_weight_version", {"new_version": str(step)})
 
     def close(self) -> None:
         """Leaves the server's weight-transfer group (the server keeps serving the last weights)."""
