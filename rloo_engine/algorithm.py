@@ -196,6 +196,19 @@ def importance_weighted_sequence_log_probs(token_logps: torch.Tensor, weights: t
     return ((detached + weights * (token_logps - detached)) * mask).sum(-1)
 
 
+def vllm_anchor_masks(weights: torch.Tensor, mask: torch.Tensor,
+                      row_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token mask and row weights of a ratio taken against vLLM's log-probs (`ratio_anchor: vllm`).
+
+    weights: (B, T) or (B, 1) from `generator_importance_weights` in a *_mask mode; mask: (B, T);
+    row_weights: (B,). A token (token_mask) or completion (sequence_mask) whose weight was masked to 0 drops
+    out of both sequence sums, and a completion with no token left drops out of the loss, so it adds neither
+    gradient nor a ratio of exp(0) = 1 to the clip metrics. Returns (mask (B, T), row_weights (B,)).
+    """
+    kept = mask * (weights > 0)
+    return kept, row_weights * (kept.sum(-1) > 0)
+
+
 def importance_weight_stats(weights: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """min / mean / max of importance weights: over real tokens for (B, T) weights, over rows for (B, 1).
 

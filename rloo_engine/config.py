@@ -232,6 +232,20 @@ class RLOOConfig(StrictModel):
         "modes zero anything below it. None = no lower bound.",
         gt=0.0,
     )
+    ratio_anchor: Literal["auto", "old_policy", "vllm"] = F(
+        "auto",
+        "What the PPO ratio rho is taken against. `old_policy` (TRL's): rho = pi_theta / pi_old, the trainer's "
+        "own log-probs at the sampling weights, and the importance weights pi_old / pi_vllm multiply the "
+        "gradient. With one update per batch (`num_iterations: 1`) rho is then 1 and the clip never acts, so "
+        "nothing bounds how far a step moves the policy from the weights that sampled the batch. `vllm`: rho = "
+        "pi_theta / pi_vllm, vLLM's log-probs of the sampled tokens, so the clip [1 - `epsilon`, 1 + "
+        "`epsilon_high`] is a trust region around the (possibly stale) sampling policy, and the importance "
+        "weights act as a mask only: a completion (`sequence_mask`) or token (`token_mask`) whose weight leaves "
+        "[`vllm_importance_sampling_clip_min`, `vllm_importance_sampling_clip_max`] gets no gradient. Needs "
+        "`vllm_importance_sampling_correction: true` and a `*_mask` mode. `auto` = `vllm` with "
+        "`async_generation` and `max_staleness` >= 1 and a `*_mask` mode (on the CPU demo bench, 6 seeds, it removed "
+        "the mid-run dips of one-step off-policy training: bench/README.md), else `old_policy`. Not in TRL.",
+    )
     async_generation: bool = F(
         False,
         "Server mode: generate the next batch while the policy updates on this one (one-step off-policy, as veRL "
@@ -240,9 +254,10 @@ class RLOOConfig(StrictModel):
         "completion by pi_old / pi_vllm, which then covers the staleness as well as vLLM's numerics, and "
         "`async/staleness` logs the optimizer steps between the weights that sampled a batch and those it is "
         "first trained on. `timing/generation_s` becomes the time the trainer waited for the server. Needs "
-        "`use_vllm: true` and `vllm_mode: server`. Experimental: on the CPU demo bench (6 seeds) it ends within "
-        "synchronous training's spread at step 250 but lags it mid-run, with dips where completions stop ending "
-        "(on earlier code one seed never recovered); watch `completions/clipped_ratio` and `sequence_kl`.",
+        "`use_vllm: true` and `vllm_mode: server`. With `ratio_anchor: auto` the PPO ratio is then taken against "
+        "vLLM's log-probs (a trust region around the stale sampling weights): on the CPU demo bench (6 seeds) the "
+        "reward then tracks synchronous training along the whole curve; with pi_old's anchor it dipped mid-run "
+        "(bench/README.md). Watch `completions/clipped_ratio` and `sequence_kl`.",
     )
     max_staleness: int = F(
         1,
@@ -380,6 +395,8 @@ class RLOOConfig(StrictModel):
             self._check_importance_sampling()
         if self.async_generation:
             self._check_async_generation()
+        if self.ratio_anchor == "vllm":
+            self._check_vllm_ratio_anchor()
         if self.bf16 and self.fp16:
             raise ValueError("bf16 and fp16: both true; choose one mixed-precision mode")
         if self.sync_ref_model and (self.use_peft or self.beta == 0):
@@ -412,6 +429,20 @@ class RLOOConfig(StrictModel):
                 "set vllm_importance_sampling_correction: true (or max_staleness: 0)"
             )
 
+    def _check_vllm_ratio_anchor(self) -> None:
+        if not self.vllm_importance_sampling_correction:
+            raise ValueError(
+                "ratio_anchor: 'vllm' with vllm_importance_sampling_correction: false; the ratio is taken against "
+                "vLLM's log-probs and the importance weights mask what gets no gradient, so set "
+                "vllm_importance_sampling_correction: true (and use_vllm: true), or ratio_anchor: old_policy"
+            )
+        if not self.vllm_importance_sampling_mode.endswith("mask"):
+            raise ValueError(
+                f"ratio_anchor: 'vllm' with vllm_importance_sampling_mode: {self.vllm_importance_sampling_mode!r}; "
+                "against vLLM's log-probs the clip already bounds the ratio and the weights only mask, so expected "
+                "'sequence_mask' or 'token_mask' (or ratio_anchor: old_policy)"
+            )
+
     def _check_importance_sampling(self) -> None:
         if not self.use_vllm:
             raise ValueError(
@@ -442,6 +473,14 @@ class RLOOConfig(StrictModel):
     def vllm_server_url(self) -> str:
         """Server mode: where the vLLM server answers."""
         return (self.vllm_server_base_url or f"http://{self.vllm_server_host}:{self.vllm_server_port}").rstrip("/")
+
+    @property
+    def effective_ratio_anchor(self) -> str:
+        """`ratio_anchor` with `auto` resolved (see its description)."""
+        if self.ratio_anchor != "auto":
+            return self.ratio_anchor
+        stale = self.async_generation and self.max_staleness > 0 and self.vllm_importance_sampling_correction
+        return "vllm" if stale and self.vllm_importance_sampling_mode.endswith("mask") else "old_policy"
 
     @property
     def effective_epsilon_high(self) -> float:

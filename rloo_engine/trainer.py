@@ -383,7 +383,8 @@ class RLOOTrainer:
 
     # ------------------------------------------------------------------ the loss of one micro-batch
     def loss(self, mb: dict) -> torch.Tensor:
-        """Clipped sequence-ratio loss; on-policy the old log-probs are this forward's, detached (ratio == 1)."""
+        """Clipped sequence-ratio loss; on-policy the old log-probs are this forward's, detached (ratio == 1).
+        With `ratio_anchor` resolved to `vllm` the ratio is against vLLM's log-probs instead (config.py)."""
         c = self.cfg
         with self.acc.autocast():  # the chunked head too, not only the prepared forward (see the reference pass)
             token_logps, entropy = completion_token_logps(self.policy, mb["input_ids"], mb["attention_mask"],
@@ -391,35 +392,44 @@ class RLOOTrainer:
                                                           chunked=self.chunked_logprobs,
                                                           # checkpointing drops the cache the shared path runs on
                                                           share_prompts=self.share_prompts and not c.gradient_checkpointing)
-        mask = mb["completion_mask"]
+        mask, row_weights = mb["completion_mask"], mb["loss_weights"]
         old = mb["old_token_logps"] if mb["old_token_logps"] is not None else token_logps.detach()
-        seq_logps = A.sequence_log_probs(token_logps, mask)
+        anchor_logps, weights = old, None
         if mb["generator_logps"] is not None:
-            seq_logps = self._generator_correction(token_logps, old, mb["generator_logps"], mask, seq_logps)
-        loss, ratio = A.clipped_sequence_loss(seq_logps, A.sequence_log_probs(old, mask), mb["advantages"],
-                                              c.epsilon, c.effective_epsilon_high, mb["loss_weights"],
+            weights = self._generator_weights(old, mb["generator_logps"], mask)
+        if weights is not None and c.effective_ratio_anchor == "vllm":
+            # rho = pi_theta / pi_vllm: the clip is a trust region around the weights that sampled the batch
+            loss_mask, row_weights = A.vllm_anchor_masks(weights, mask, row_weights)
+            seq_logps = A.sequence_log_probs(token_logps, loss_mask)
+            anchor_logps = mb["generator_logps"]
+        else:
+            loss_mask = mask
+            seq_logps = (A.sequence_log_probs(token_logps, mask) if weights is None
+                         else A.importance_weighted_sequence_log_probs(token_logps, weights, mask))
+        loss, ratio = A.clipped_sequence_loss(seq_logps, A.sequence_log_probs(anchor_logps, loss_mask),
+                                              mb["advantages"], c.epsilon, c.effective_epsilon_high, row_weights,
                                               mb["loss_normalizer"])
-        clip = A.clip_ratio_metrics(ratio, mb["advantages"], c.epsilon, c.effective_epsilon_high, mb["loss_weights"])
+        clip = A.clip_ratio_metrics(ratio, mb["advantages"], c.epsilon, c.effective_epsilon_high, row_weights)
         self.window["entropy"].append(((entropy * mask).sum() / mask.sum().clamp(min=1)).item())
         for k, v in clip.items():
             self.window[f"clip_ratio/{k}"].append(v.item())
         self.window["loss"].append(loss.item())
         return loss
 
-    def _generator_correction(self, token_logps, old, generator_logps, mask, seq_logps) -> torch.Tensor:
+    def _generator_weights(self, old, generator_logps, mask) -> torch.Tensor | None:
         """Logs how far the generator's (vLLM's) log-probs are from pi_old, the trainer's; with
-        `vllm_importance_sampling_correction`, returns the sequence log-probs whose gradient carries the weights."""
+        `vllm_importance_sampling_correction`, returns (and logs) the importance weights pi_old / pi_vllm."""
         c = self.cfg
         for k, v in A.logprob_difference_stats(old, generator_logps, mask).items():
             self.window[f"vllm/logprob_diff_{k}"].append(v.item())
         if not c.vllm_importance_sampling_correction:
-            return seq_logps
+            return None
         weights = A.generator_importance_weights(old, generator_logps, mask, c.vllm_importance_sampling_mode,
                                                  c.vllm_importance_sampling_clip_min,
                                                  c.vllm_importance_sampling_clip_max)
         for k, v in A.importance_weight_stats(weights, mask).items():
             self.window[f"sampling/importance_sampling_ratio/{k}"].append(v.item())
-        return A.importance_weighted_sequence_log_probs(token_logps, weights, mask)
+        return weights
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> TrainResult:

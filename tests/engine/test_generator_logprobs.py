@@ -77,3 +77,22 @@ def test_token_weights_scale_the_gradient_and_mask_modes_remove_it(tmp_path, qwe
     assert weighted[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6, abs=1e-9)  # the value is unchanged
     assert masked[0]["sampling/importance_sampling_ratio/max"] == 0.0
     assert masked[0]["grad_norm"] == 0.0
+
+
+def test_the_ratio_anchored_at_vllms_log_probs_weights_inside_the_clip_cuts_outside_and_masks(tmp_path, qwen2_model):
+    """rho = pi_theta / pi_vllm = e^{offset * length} at step 1. 0.02 a token keeps every rho inside [0.8, 1.2]:
+    the same gradient as pi_old's anchor with the same sequence weights. 0.1 a token puts completions of 2+
+    tokens past 1.2: the clip acts, where pi_old's anchor (rho = 1) never does. A mask below e^0.3 removes all."""
+    anchors = dict(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="sequence_mask")
+    inside = run(tmp_path / "inside", qwen2_model, 0.02, ratio_anchor="vllm", **anchors)
+    weighted = run(tmp_path / "weighted", qwen2_model, 0.02, ratio_anchor="old_policy", **anchors)
+    assert inside[0]["grad_norm"] == pytest.approx(weighted[0]["grad_norm"], rel=1e-4)
+    assert inside[0]["clip_ratio/region_mean"] == 0.0
+    past = run(tmp_path / "past", qwen2_model, 0.1, ratio_anchor="vllm", vllm_importance_sampling_clip_max=None,
+               **anchors)
+    plain = run(tmp_path / "plain", qwen2_model, 0.1, ratio_anchor="old_policy", vllm_importance_sampling_clip_max=None,
+                **anchors)
+    assert past[0]["clip_ratio/high_mean"] > 0 and plain[0]["clip_ratio/region_mean"] == 0.0
+    masked = run(tmp_path / "masked", qwen2_model, 0.3, ratio_anchor="vllm", vllm_importance_sampling_clip_max=1.2,
+                 **anchors)
+    assert masked[0]["grad_norm"] == 0.0 and masked[0]["loss"] == 0.0

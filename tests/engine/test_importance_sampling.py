@@ -103,3 +103,27 @@ def test_importance_weight_stats_over_tokens_or_sequences():
     sequence = A.importance_weight_stats(weights("sequence_mask"), MASK)
     assert [sequence[k].item() for k in ("min", "mean", "max")] == pytest.approx(
         [0.0, math.exp(0.3) / 2, math.exp(0.3)])
+
+
+def test_the_vllm_anchor_drops_masked_tokens_and_completions_from_the_sums_and_the_loss():
+    rows = torch.tensor([1.0, 0.5])
+    seq_mask, seq_rows = A.vllm_anchor_masks(weights("sequence_mask"), MASK, rows)  # row 0's weight e^1.5 > 3
+    assert seq_mask.tolist() == [[0, 0, 0], [1, 1, 0]] and seq_rows.tolist() == [0.0, 0.5]
+    tok_mask, tok_rows = A.vllm_anchor_masks(weights("token_mask", clip_min=0.5), MASK, rows)
+    assert tok_mask.tolist() == [[1, 0, 0], [1, 1, 0]] and tok_rows.tolist() == [1.0, 0.5]
+
+
+def test_against_vllms_log_probs_the_clip_bounds_the_step_from_the_sampling_policy():
+    """rho = pi_theta / pi_vllm: on-policy for the trainer (pi_theta == pi_old) it equals the importance weight,
+    so inside the clip the gradient is the weighted one, and a completion already past 1 + eps gets none."""
+    logps = torch.zeros(2, 3, requires_grad=True)
+    generator = torch.tensor([[-0.02, -0.02, -0.02], [-0.1, -0.1, 0.0]])  # rho e^0.06 (inside), e^0.2 (past 1.2)
+    advantages = torch.tensor([1.0, 1.0])
+    w = A.generator_importance_weights(logps.detach(), generator, MASK, "sequence_mask", None, 3.0)
+    kept, rows = A.vllm_anchor_masks(w, MASK, torch.ones(2))
+    loss, ratio = A.clipped_sequence_loss(A.sequence_log_probs(logps, kept), A.sequence_log_probs(generator, kept),
+                                          advantages, 0.2, 0.2, rows, normalizer=2.0)
+    torch.testing.assert_close(ratio, torch.exp(torch.tensor([0.06, 0.2])))
+    (grad,) = torch.autograd.grad(loss, logps)
+    torch.testing.assert_close(grad[0], -math.exp(0.06) / 2 * MASK[0].float())  # d(-rho A / 2) = -rho A / 2
+    assert grad[1].abs().sum() == 0

@@ -167,6 +167,33 @@ def test_bad_async_generation_options_are_refused_at_load_time(flags, message):
         parse_train_args(IS_FLAGS + flags)
 
 
+def test_the_ratio_anchor_resolves_to_vllms_log_probs_only_for_stale_batches_with_a_mask_mode():
+    from rloo_engine.cli import parse_train_args
+
+    correction = ["--vllm_importance_sampling_correction", "true"]
+    resolved = lambda *flags: parse_train_args(IS_FLAGS + SERVER + correction + list(flags)).effective_ratio_anchor  # noqa: E731
+    assert resolved() == "old_policy"  # synchronous: TRL's
+    assert resolved("--async_generation", "true") == "vllm"
+    assert resolved("--async_generation", "true", "--max_staleness", "0") == "old_policy"
+    assert resolved("--async_generation", "true", "--vllm_importance_sampling_mode", "token_truncate") == "old_policy"
+    assert resolved("--async_generation", "true", "--ratio_anchor", "old_policy") == "old_policy"
+    assert resolved("--ratio_anchor", "vllm", "--vllm_importance_sampling_mode", "token_mask") == "vllm"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (SERVER + ["--ratio_anchor", "vllm"], r"ratio_anchor: 'vllm' with vllm_importance_sampling_correction: false"),
+    (SERVER + ["--ratio_anchor", "vllm", "--vllm_importance_sampling_correction", "true",
+               "--vllm_importance_sampling_mode", "sequence_truncate"],
+     r"ratio_anchor: 'vllm' with vllm_importance_sampling_mode: 'sequence_truncate'; .* expected 'sequence_mask'"),
+    (SERVER + ["--ratio_anchor", "sampler"], r"ratio_anchor"),
+])
+def test_bad_ratio_anchors_are_refused_at_load_time(flags, message):
+    from rloo_engine.cli import parse_train_args
+
+    with pytest.raises(ConfigError, match=message):
+        parse_train_args(IS_FLAGS + flags)
+
+
 def test_async_generation_with_max_staleness_0_needs_no_importance_weights():
     from rloo_engine.cli import parse_train_args
 
