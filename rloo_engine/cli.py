@@ -174,9 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         if command == "train":
             cfg = parse_train_args(rest)
             _start_train_process(cfg)
+            from rloo_engine.distributed import end_process_group
             from rloo_engine.trainer import train
 
-            result = train(cfg)
+            try:
+                result = train(cfg)
+            finally:
+                end_process_group()
             if int(os.environ.get("RANK", "0")) == 0:  # one report per run, not one per process
                 print(outputs_report(result, cfg), flush=True)
             return 0

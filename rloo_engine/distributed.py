@@ -27,6 +27,14 @@ class LaunchError(ConfigError):
     """The launch profile cannot run as asked; the message names the profile and what to change."""
 
 
+def end_process_group() -> None:
+    """Destroys the default process group, if one was formed. The process must do this before it exits: left
+    to interpreter teardown, gloo's worker threads now and then outlive it and abort the process ("terminate
+    called without an active exception", SIGABRT), so a finished run or a clean error exit became a crash."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def requested_profile() -> str:
     """What the launcher asked for, from accelerate's environment: `deepspeed-zero<N>`, `fsdp` or `ddp`."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":

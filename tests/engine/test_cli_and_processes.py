@@ -205,27 +205,38 @@ def test_latest_with_no_usable_checkpoint_says_it_starts_from_step_0(tmp_path, c
     assert f"rloo-engine: no usable checkpoint in {tmp_path}; starting from step 0" in err
 
 
-def _shared_check(tmp_path: Path, dirs: list[Path]) -> list[dict]:
+def _train_in_each_rank(tmp_path: Path, model: Path, dirs: list[Path]) -> list[dict]:
+    """`rloo-engine train` on 2 processes, rank r writing into dirs[r % len(dirs)]; each rank's outcome."""
+    flags = ["--model_name_or_path", str(model), "--dataset_name", str(prompt_file(tmp_path)),
+             "--reward_funcs", "rloo_engine.reward_functions:brevity", "--num_generations", "2",
+             "--per_device_train_batch_size", "2", "--max_completion_length", "4", "--max_steps", "1",
+             "--disable_tqdm"]
     proc = run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                str(REPO / "tests/engine/scripts/shared_dir_check.py"), *map(str, dirs)])
+                str(REPO / "tests/engine/scripts/train_in_each_rank.py"), os.pathsep.join(map(str, dirs)), *flags])
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((dirs[r % len(dirs)] / f"outcome-rank{r}.json").read_text()) for r in (0, 1)]
 
 
 @pytest.mark.slow
-def test_every_rank_refuses_an_output_dir_that_is_not_shared(tmp_path):
-    """Rank 1 looks at another directory, as a node without the shared filesystem sees its local disk:
-    both ranks raise the same error, naming rank 1's host and path, and neither hangs."""
+def test_every_rank_refuses_an_output_dir_that_is_not_shared_and_ends_its_process_group(tmp_path, qwen2_model):
+    """Rank 1 looks at another directory, as a node without the shared filesystem sees its local disk: both ranks
+    exit 2 with the same error, naming rank 1's host and path, and neither hangs. Whether the run fails so or
+    trains, `main` destroys the process group before it returns: left to interpreter teardown, gloo's threads
+    abort the process now and then ("terminate called without an active exception", SIGABRT), a crash instead
+    of the exit code."""
     shared, local = tmp_path / "shared", tmp_path / "node1-local"
     shared.mkdir(), local.mkdir()
-    outcomes = _shared_check(tmp_path, [shared, local])
-    for message in (o["error"] for o in outcomes):  # each rank names its own output_dir, the same path on real nodes
-        assert f"rank 1 on {socket.gethostname()}: {local}/.rloo-engine-shared-check cannot be read" in message
-        assert "rank 0 on" not in message and message.startswith("output_dir: ")
+    outcomes = _train_in_each_rank(tmp_path, qwen2_model, [shared, local])
+    for outcome in outcomes:  # each rank names its own output_dir, the same path on real nodes
+        (error,) = [line for line in outcome["stderr"].splitlines() if line.startswith("error: ")]
+        assert f"rank 1 on {socket.gethostname()}: {local}/.rloo-engine-shared-check cannot be read" in error
+        assert "rank 0 on" not in error and error.startswith("error: output_dir: ")
+        assert outcome["code"] == exit_codes.CONFIG_ERROR and not outcome["group_outlived_main"]
     assert not (shared / ".rloo-engine-shared-check").exists()  # the token does not outlive the check
-    # a shared directory passes, and leaves nothing behind
+    assert not (shared / "checkpoint-1").exists() and not (shared / "final").exists()  # refused before training
+    # a shared directory passes, the run trains, and the group ends with it on both ranks
     same = tmp_path / "same"
-    same.mkdir()
-    assert [o["error"] for o in _shared_check(tmp_path, [same])] == [None, None]
-    assert sorted(p.name for p in same.iterdir()) == ["outcome-rank0.json", "outcome-rank1.json"]
+    outcomes = _train_in_each_rank(tmp_path, qwen2_model, [same])
+    assert [(o["code"], o["group_outlived_main"]) for o in outcomes] == [(0, False), (0, False)]
+    assert (same / "final").is_dir() and not (same / ".rloo-engine-shared-check").exists()

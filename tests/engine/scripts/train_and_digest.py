@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from rloo_engine.cli import parse_train_args
+from rloo_engine.distributed import end_process_group
 from rloo_engine.trainer import RLOOTrainer
 
 trainer = RLOOTrainer(parse_train_args(sys.argv[1:]))
@@ -25,3 +26,4 @@ out.write_text(json.dumps({
     "dist_world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else None,
     "digest": digest.hexdigest(), "step": trainer.global_step, "prompts_seen": trainer.sampler.state_dict(),
 }))
+end_process_group()  # as `rloo-engine train` does: gloo can abort a process that exits with its group alive
