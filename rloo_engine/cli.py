@@ -179,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
 
             try:
                 result = train(cfg)
-            finally:
-                end_process_group()
+            except BaseException:
+                end_process_group(after_error=True)
+                raise
+            end_process_group()
             if int(os.environ.get("RANK", "0")) == 0:  # one report per run, not one per process
                 print(outputs_report(result, cfg), flush=True)
             return 0

@@ -27,12 +27,17 @@ class LaunchError(ConfigError):
     """The launch profile cannot run as asked; the message names the profile and what to change."""
 
 
-def end_process_group() -> None:
+def end_process_group(after_error: bool = False) -> None:
     """Destroys the default process group, if one was formed. The process must do this before it exits: left
     to interpreter teardown, gloo's worker threads now and then outlive it and abort the process ("terminate
-    called without an active exception", SIGABRT), so a finished run or a clean error exit became a crash."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    called without an active exception", SIGABRT), so a finished run or a clean error exit became a crash.
+    `after_error`: only a gloo group, since this rank may have failed alone while the others wait in a
+    collective, and tearing down NCCL communicators is itself a collective call in some NCCL versions."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    if after_error and torch.distributed.get_backend() != "gloo":
+        return
+    torch.distributed.destroy_process_group()
 
 
 def requested_profile() -> str:

@@ -31,6 +31,13 @@ def failing_reward(**_):
     raise ConnectionError("reward service at http://127.0.0.1:9 refused the connection")
 
 
+def failing_reward_on_rank_1(completions, **_):
+    """A reward function whose service is down for rank 1 alone; rank 0 scores every completion 1."""
+    if os.environ.get("RANK") == "1":
+        failing_reward()
+    return [1.0] * len(completions)
+
+
 TOPIC_OFFSET = {w: 2.0 * i for i, w in enumerate("the cat dog sat ran on mat tree red blue".split())}
 
 

@@ -205,17 +205,20 @@ def test_latest_with_no_usable_checkpoint_says_it_starts_from_step_0(tmp_path, c
     assert f"rloo-engine: no usable checkpoint in {tmp_path}; starting from step 0" in err
 
 
-def _train_in_each_rank(tmp_path: Path, model: Path, dirs: list[Path]) -> list[dict]:
-    """`rloo-engine train` on 2 processes, rank r writing into dirs[r % len(dirs)]; each rank's outcome."""
-    flags = ["--model_name_or_path", str(model), "--dataset_name", str(prompt_file(tmp_path)),
+def _train_in_each_rank(tmp_path: Path, model: Path, dirs: list[Path], *flags: str,
+                        launcher_exit: int = 0) -> list[dict]:
+    """`rloo-engine train` on 2 processes, rank r writing into dirs[r % len(dirs)]; the outcome of each rank
+    whose `main` returned (the launcher stops the other ranks when one exits non-zero)."""
+    flags = ("--model_name_or_path", str(model), "--dataset_name", str(prompt_file(tmp_path)),
              "--reward_funcs", "rloo_engine.reward_functions:brevity", "--num_generations", "2",
              "--per_device_train_batch_size", "2", "--max_completion_length", "4", "--max_steps", "1",
-             "--disable_tqdm"]
+             "--disable_tqdm", *flags)
     proc = run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                 str(REPO / "tests/engine/scripts/train_in_each_rank.py"), os.pathsep.join(map(str, dirs)), *flags])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads((dirs[r % len(dirs)] / f"outcome-rank{r}.json").read_text()) for r in (0, 1)]
+    assert proc.returncode == launcher_exit, proc.stderr[-4000:]
+    outcomes = [dirs[r % len(dirs)] / f"outcome-rank{r}.json" for r in (0, 1)]
+    return [json.loads(o.read_text()) for o in outcomes if o.exists()]
 
 
 @pytest.mark.slow
@@ -240,3 +243,16 @@ def test_every_rank_refuses_an_output_dir_that_is_not_shared_and_ends_its_proces
     outcomes = _train_in_each_rank(tmp_path, qwen2_model, [same])
     assert [(o["code"], o["group_outlived_main"]) for o in outcomes] == [(0, False), (0, False)]
     assert (same / "final").is_dir() and not (same / ".rloo-engine-shared-check").exists()
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_alone_exits_with_its_code_its_group_ended(tmp_path, qwen2_model):
+    """Rank 1's reward service is down while rank 0's is up: rank 1's `main` returns exit code 4 with one error
+    line and its gloo group destroyed (no abort at exit to hide the code), and the launcher stops rank 0."""
+    out = tmp_path / "out"
+    outcomes = _train_in_each_rank(tmp_path, qwen2_model, [out], "--reward_funcs",
+                                   "tests.engine.helpers:failing_reward_on_rank_1", launcher_exit=1)
+    (rank1,) = [o for o in outcomes if o["rank"] == 1]
+    assert rank1["code"] == exit_codes.REWARD_ERROR and not rank1["group_outlived_main"]
+    (error,) = [line for line in rank1["stderr"].splitlines() if line.startswith("error: ")]
+    assert "failing_reward_on_rank_1 raised ConnectionError: reward service at" in error
