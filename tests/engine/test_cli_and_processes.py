@@ -205,14 +205,13 @@ def test_latest_with_no_usable_checkpoint_says_it_starts_from_step_0(tmp_path, c
     assert f"rloo-engine: no usable checkpoint in {tmp_path}; starting from step 0" in err
 
 
-def _train_in_each_rank(tmp_path: Path, model: Path, dirs: list[Path], *flags: str,
-                        launcher_exit: int = 0) -> list[dict]:
+def _train_in_each_rank(tmp_path: Path, model: Path, dirs: list[Path],
+                        reward: str = "rloo_engine.reward_functions:brevity", launcher_exit: int = 0) -> list[dict]:
     """`rloo-engine train` on 2 processes, rank r writing into dirs[r % len(dirs)]; the outcome of each rank
     whose `main` returned (the launcher stops the other ranks when one exits non-zero)."""
     flags = ("--model_name_or_path", str(model), "--dataset_name", str(prompt_file(tmp_path)),
-             "--reward_funcs", "rloo_engine.reward_functions:brevity", "--num_generations", "2",
-             "--per_device_train_batch_size", "2", "--max_completion_length", "4", "--max_steps", "1",
-             "--disable_tqdm", *flags)
+             "--reward_funcs", reward, "--num_generations", "2", "--per_device_train_batch_size", "2",
+             "--max_completion_length", "4", "--max_steps", "1", "--disable_tqdm")
     proc = run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                 str(REPO / "tests/engine/scripts/train_in_each_rank.py"), os.pathsep.join(map(str, dirs)), *flags])
@@ -250,8 +249,8 @@ def test_a_rank_that_fails_alone_exits_with_its_code_its_group_ended(tmp_path, q
     """Rank 1's reward service is down while rank 0's is up: rank 1's `main` returns exit code 4 with one error
     line and its gloo group destroyed (no abort at exit to hide the code), and the launcher stops rank 0."""
     out = tmp_path / "out"
-    outcomes = _train_in_each_rank(tmp_path, qwen2_model, [out], "--reward_funcs",
-                                   "tests.engine.helpers:failing_reward_on_rank_1", launcher_exit=1)
+    outcomes = _train_in_each_rank(tmp_path, qwen2_model, [out], reward="tests.engine.helpers:failing_reward_on_rank_1",
+                                   launcher_exit=1)
     (rank1,) = [o for o in outcomes if o["rank"] == 1]
     assert rank1["code"] == exit_codes.REWARD_ERROR and not rank1["group_outlived_main"]
     (error,) = [line for line in rank1["stderr"].splitlines() if line.startswith("error: ")]
