@@ -214,10 +214,11 @@ def _failure_exit_code(err: Exception) -> int | None:
 
     from rloo_engine.checkpoint import CheckpointWriteError
     from rloo_engine.reward_sources import RewardError
+    from rloo_engine.vllm_server_client import VLLMServerError
 
     if isinstance(err, RewardError):
         return exit_codes.REWARD_ERROR
-    if type(err).__name__ == "VLLMServerError":  # not imported: that module needs `requests` and vLLM's extras
+    if isinstance(err, VLLMServerError):
         return exit_codes.GENERATOR_ERROR
     if isinstance(err, CheckpointWriteError) or (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)):
         return exit_codes.DISK_ERROR

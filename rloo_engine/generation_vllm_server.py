@@ -18,9 +18,8 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -29,72 +28,9 @@ import torch
 
 from rloo_engine.generation import Rollout, SamplingParams
 from rloo_engine.generation_vllm import _import_vllm, _to_rollout, prompt_token_ids, vllm_weight_items
+from rloo_engine.vllm_server_client import Pending, VLLMServerClient, VLLMServerError
 
-
-class VLLMServerError(RuntimeError):
-    """The vLLM server is down, died, hung or refused a request; the message names its URL."""
-
-
-class VLLMServerClient:
-    """The HTTP routes the trainer uses, each bounded by `timeout` seconds."""
-
-    def __init__(self, base_url: str, timeout: float):
-        import requests
-
-        self.base_url, self.timeout = base_url.rstrip("/"), timeout
-        self.session = requests.Session()
-        self.session.trust_env = False  # a cluster's HTTP proxy must not sit between trainer and its server
-        self.next_weight_version: str | None = None  # what the next `finish_weight_update` sets
-
-    def _call(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
-        import requests
-
-        url = f"{self.base_url}{path}"
-        try:
-            reply = self.session.request(method, url, json=body, timeout=timeout or self.timeout)
-        except requests.Timeout:
-            raise VLLMServerError(f"vLLM server {url}: no answer within vllm_server_timeout "
-                                  f"({self.timeout:g} s)") from None
-        except requests.ConnectionError as err:
-            raise VLLMServerError(f"vLLM server {url}: cannot connect ({type(err).__name__}); is it running? "
-                                  "(`rloo-engine vllm-serve --model ...`)") from None
-        if reply.status_code >= 400:
-            raise VLLMServerError(f"vLLM server {url}: HTTP {reply.status_code}: {reply.text[:500]}")
-        return reply.json() if reply.content else None
-
-    def wait_until_healthy(self) -> None:
-        deadline, last = time.monotonic() + self.timeout, None
-        while time.monotonic() < deadline:
-            try:
-                self._call("GET", "/health")
-                return
-            except VLLMServerError as err:
-                last = err
-                time.sleep(1.0)
-        raise VLLMServerError(f"vLLM server {self.base_url} did not become healthy within vllm_server_timeout "
-                              f"({self.timeout:g} s): {last}")
-
-    def post(self, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
-        return self._call("POST", path, body, timeout)
-
-    def get(self, path: str) -> Any:
-        return self._call("GET", path)
-
-    # vLLM's `VLLMWeightSyncClient` protocol, so that its trainer engines drive the handshake through this client.
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.post("/init_weight_transfer_engine", {"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self.post("/start_weight_update")
-
-    def update_weights(self, update_info) -> None:
-        self.post("/update_weights", {"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        # vLLM's trainer-side engines call this without a version; the route sets one after the update, so the
-        # version rides on this call instead of a separate `/update_weight_version` (one round trip less a sync).
-        version = self.next_weight_version if weight_version is None else weight_version
-        self.post("/finish_weight_update", None if version is None else {"weight_version": version})
+__all__ = ["VLLMServerBackend", "VLLMServerError"]
 
 
 class _ItemsSource:
@@ -195,7 +131,7 @@ class VLLMServerBackend:
                                   f"failed: {type(err).__name__}: {err}") from None
 
     # ------------------------------------------------------------------ generation
-    def _request(self, ids: list[int], n: int, seed: int) -> dict:
+    def _body(self, ids: list[int], n: int, seed: int) -> dict:
         p = self.params
         body: dict[str, Any] = dict(model=self.model_id, prompt=ids, n=n, max_tokens=p.max_completion_length,
                                     temperature=p.temperature, top_p=p.top_p, min_p=p.min_p or 0.0,
@@ -204,7 +140,7 @@ class VLLMServerBackend:
         if p.top_k:
             body["top_k"] = p.top_k
         body.update(p.extra or {})
-        return self.client.post("/v1/completions", body)
+        return body
 
     def _seed(self, ids: list[int], occurrence: int) -> int:
         # Per prompt, not per batch: the same prompts get the same samples however they are split over ranks.
@@ -219,13 +155,15 @@ class VLLMServerBackend:
             seeds.append(self._seed(ids, seen[key]))
         return seeds
 
-    def _complete_all(self, prompt_ids: list[list[int]], n: int,
-                      seeds: list[int]) -> list[tuple[list[int], list[float]]]:
-        with ThreadPoolExecutor(max_workers=min(16, len(prompt_ids))) as pool:
-            replies = list(pool.map(lambda a: self._request(*a), [(ids, n, s) for ids, s in zip(prompt_ids, seeds)]))
+    def _send_all(self, prompt_ids: list[list[int]], n: int, seeds: list[int]) -> list[Pending]:
+        # One request per prompt (its own seed: one seed over several prompts would draw them from one stream).
+        return [self.client.send("POST", "/v1/completions", self._body(ids, n, seed))
+                for ids, seed in zip(prompt_ids, seeds)]
+
+    def _receive_all(self, sent: list[Pending]) -> list[tuple[list[int], list[float]]]:
         out = []
-        for reply in replies:
-            for choice in sorted(reply["choices"], key=lambda c: c["index"]):
+        for pending in sent:
+            for choice in sorted(self.client.receive(pending)["choices"], key=lambda c: c["index"]):
                 logps = (choice.get("logprobs") or {}).get("token_logprobs") or []
                 out.append((list(choice["token_ids"]), [float(x) for x in logps]))
         return out
@@ -237,9 +175,10 @@ class VLLMServerBackend:
     def submit(self, prompts: list[str], num_generations: int, add_special_tokens: bool = False) -> InFlight:
         """Sends every rank's prompts to the server and returns at once (`async_generation`); `collect` waits.
 
-        The collective part (gathering the prompts on rank 0) runs here, in the caller's thread; the HTTP
-        requests run on a daemon thread of rank 0, so the update can run meanwhile and no collective ever
-        runs off the main thread."""
+        The collective part (gathering the prompts on rank 0) and the sending of every request run here, in
+        the caller's thread, so the server has the whole batch before the trainer's work starts; a daemon
+        thread of rank 0 reads the replies while the update runs, and no collective ever runs off the main
+        thread."""
         from accelerate.utils import gather_object
 
         ids = prompt_token_ids(self.tokenizer, prompts, self.params.max_prompt_length, add_special_tokens)
@@ -248,10 +187,13 @@ class VLLMServerBackend:
         result: Future = Future()
         if self.acc.is_main_process:
             everyone_ids = [p for rank in everyone for p in rank]
-            seeds = self._seeds(everyone_ids)  # now: they depend on `calls`
-            threading.Thread(target=_fill, args=(result, lambda: self._complete_all(everyone_ids, num_generations,
-                                                                                     seeds)),
-                             daemon=True, name="rloo-vllm-generate").start()
+            try:  # on the wire before the trainer's work takes the GIL; a failure is raised by `collect`
+                sent = self._send_all(everyone_ids, num_generations, self._seeds(everyone_ids))
+            except VLLMServerError as err:
+                result.set_exception(err)
+            else:
+                threading.Thread(target=_fill, args=(result, lambda: self._receive_all(sent)), daemon=True,
+                                 name="rloo-vllm-generate").start()
         start = sum(len(r) for r in everyone[: self.acc.process_index]) * num_generations
         return InFlight(ids, num_generations, start, result)
 
@@ -294,3 +236,5 @@ class VLLMServerBackend:
                 pass  # a dead server has no group to leave; the run's own error is already on its way
             self.engine.shutdown()
             self.engine = None
+        if self.client is not None:
+            self.client.close()

@@ -249,3 +249,56 @@ def test_a_server_that_is_down_is_named_within_the_timeout(vllm_policy, tmp_path
     assert f"error: vLLM server {url} did not become healthy within vllm_server_timeout (3 s)" in proc.stderr
     assert time.monotonic() - start < 120  # model loading and imports; the wait itself is 3 s
 
+
+
+def finished_requests(server) -> float:
+    """vLLM's own count of the requests it has finished (its Prometheus metrics)."""
+    import requests
+
+    text = requests.get(f"{server.url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total"))
+
+
+def test_submit_puts_every_request_on_the_wire_itself_and_replaces_connections_the_server_closed(
+        server, vllm_policy, monkeypatch):
+    from accelerate import Accelerator
+
+    from rloo_engine.generation import SamplingParams
+    from rloo_engine.generation_vllm_server import VLLMServerBackend
+    from rloo_engine.vllm_server_client import _dropped
+
+    tok = AutoTokenizer.from_pretrained(vllm_policy)
+    backend = VLLMServerBackend(server.url, tok, SamplingParams(6, eos_token_ids=(tok.eos_token_id,)),
+                                Accelerator(cpu=True), timeout=60, group_port=free_port(), seed=0)
+    prompts = [PROBE, "the dog ran", "a cat sat on the mat"]
+    try:
+        # No thread of submit's may run until the server has finished the batch: the requests must leave from
+        # the caller's thread (in the trainer, a request left to a background thread waits for the GIL).
+        held: list = []
+        before = finished_requests(server)
+        with monkeypatch.context() as patch:
+            patch.setattr("threading.Thread.start", lambda thread: held.append(thread))
+            request = backend.submit(prompts, 2)
+        deadline = time.monotonic() + 60
+        while finished_requests(server) < before + len(prompts):
+            assert time.monotonic() < deadline, "the server never received submit's requests"
+            time.sleep(0.2)
+        assert len(held) == 1  # the reply reader
+        held[0].start()
+        rollout = backend.collect(request)
+        assert rollout.completion_ids.shape[0] == len(prompts) * 2
+        assert rollout.generator_logps is not None
+
+        # The server closes a kept-alive connection after 5 idle s (uvicorn's default): the next batch and the
+        # next weight sync notice it and open fresh ones.
+        idle = list(backend.client._idle)
+        assert idle
+        time.sleep(6)
+        assert all(_dropped(conn) for conn in idle)
+        again = backend.collect(backend.submit(prompts, 2))
+        assert again.completion_ids.shape[0] == len(prompts) * 2
+        backend.sync_weights(AutoModelForCausalLM.from_pretrained(vllm_policy), step=7)
+        assert server.get("/weight_info")["weight_version"] == "7"
+    finally:
+        backend.close()
