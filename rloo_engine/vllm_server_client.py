@@ -33,8 +33,13 @@ _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
 
 
 def _dropped(conn: http.client.HTTPConnection) -> bool:
-    """Whether an idle kept-alive connection was closed by the server (an idle socket is readable only then)."""
-    return conn.sock is None or bool(select.select([conn.sock], [], [], 0)[0])
+    """Whether an idle kept-alive connection was closed by the server (an idle socket is readable only then).
+    `poll`, not `select`: a training process may hold more than select's 1024 file descriptors."""
+    if conn.sock is None:
+        return True
+    poller = select.poll()
+    poller.register(conn.sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 @dataclass
