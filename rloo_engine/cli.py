@@ -11,6 +11,7 @@ import difflib
 import json
 import os
 import sys
+import traceback
 import types
 import typing
 from pathlib import Path
@@ -179,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
 
             try:
                 result = train(cfg)
-            except BaseException:
+            except BaseException as err:
+                traceback.clear_frames(err.__traceback__)  # the failed trainer's frames hold its model, so the group
                 end_process_group(after_error=True)
                 raise
             end_process_group()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import os
 
 import torch
@@ -37,6 +38,11 @@ def end_process_group(after_error: bool = False) -> None:
         return
     if after_error and torch.distributed.get_backend() != "gloo":
         return
+    # `destroy_process_group` drops only torch.distributed's own references. The trainer sits in reference cycles,
+    # so its DDP model, which holds the group and its last works, would otherwise live until interpreter teardown,
+    # where freeing them aborts the process the same way (a 2-rank DDP script: 4 of 12 exits; collected first:
+    # 0 of 16). So the cycles go first, while the interpreter is whole.
+    gc.collect()
     torch.distributed.destroy_process_group()
 
 

@@ -240,7 +240,7 @@ def test_every_rank_refuses_an_output_dir_that_is_not_shared_and_ends_its_proces
     # a shared directory passes, the run trains, and the group ends with it on both ranks
     same = tmp_path / "same"
     outcomes = _train_in_each_rank(tmp_path, qwen2_model, [same])
-    assert [(o["code"], o["group_outlived_main"]) for o in outcomes] == [(0, False), (0, False)]
+    assert [(o["code"], o["group_outlived_main"], o["ddp_models_alive"]) for o in outcomes] == [(0, False, 0)] * 2
     assert (same / "final").is_dir() and not (same / ".rloo-engine-shared-check").exists()
 
 
@@ -253,5 +253,6 @@ def test_a_rank_that_fails_alone_exits_with_its_code_its_group_ended(tmp_path, q
                                    launcher_exit=1)
     (rank1,) = [o for o in outcomes if o["rank"] == 1]
     assert rank1["code"] == exit_codes.REWARD_ERROR and not rank1["group_outlived_main"]
+    assert rank1["ddp_models_alive"] == 0  # the failed trainer's model (it holds the group) freed before exit
     (error,) = [line for line in rank1["stderr"].splitlines() if line.startswith("error: ")]
     assert "failing_reward_on_rank_1 raised ConnectionError: reward service at" in error
