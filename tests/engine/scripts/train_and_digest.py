@@ -26,4 +26,5 @@ out.write_text(json.dumps({
     "dist_world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else None,
     "digest": digest.hexdigest(), "step": trainer.global_step, "prompts_seen": trainer.sampler.state_dict(),
 }))
+del trainer, acc  # the DDP model holds the group: it must go before the group does, not at teardown
 end_process_group()  # as `rloo-engine train` does: gloo can abort a process that exits with its group alive
