@@ -50,7 +50,6 @@ class Pending:
     method: str
     path: str
     data: bytes | None
-    timeout: float
     reused: bool
 
 
@@ -89,11 +88,11 @@ class VLLMServerClient:
                                    "(`rloo-engine vllm-serve --model ...`)")
         return VLLMServerError(f"vLLM server {url}: connection lost ({type(err).__name__}: {err})")
 
-    def send(self, method: str, path: str, body: dict | None = None, timeout: float | None = None,
-             fresh: bool = False) -> Pending:
+    def send(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> Pending:
         """Puts the request on the wire and returns at once; `receive` waits for the reply."""
-        timeout = timeout or self.timeout
-        data = None if body is None else json.dumps(body).encode()
+        return self._send(method, path, None if body is None else json.dumps(body).encode(), timeout or self.timeout)
+
+    def _send(self, method: str, path: str, data: bytes | None, timeout: float, fresh: bool = False) -> Pending:
         conn, reused = self._connection(timeout, fresh)
         headers = {"Content-Type": "application/json"} if data is not None else {}
         try:
@@ -101,12 +100,12 @@ class VLLMServerClient:
         except _STALE as err:
             conn.close()
             if reused:
-                return self.send(method, path, body, timeout, fresh=True)
+                return self._send(method, path, data, timeout, fresh=True)
             raise self._failed(path, err, timeout) from None
         except OSError as err:
             conn.close()
             raise self._failed(path, err, timeout) from None
-        return Pending(conn, method, path, data, timeout, reused)
+        return Pending(conn, method, path, data, reused)
 
     def receive(self, pending: Pending) -> Any:
         """The reply's JSON (None if empty); a status >= 400 raises with the server's own message."""
@@ -116,12 +115,12 @@ class VLLMServerClient:
         except _STALE as err:
             pending.conn.close()
             if pending.reused:  # closed while idle, just as we sent: once more on a fresh connection
-                body = None if pending.data is None else json.loads(pending.data)
-                return self.receive(self.send(pending.method, pending.path, body, pending.timeout, fresh=True))
-            raise self._failed(pending.path, err, pending.timeout) from None
+                return self.receive(self._send(pending.method, pending.path, pending.data, pending.conn.timeout,
+                                               fresh=True))
+            raise self._failed(pending.path, err, pending.conn.timeout) from None
         except (OSError, http.client.HTTPException) as err:
             pending.conn.close()
-            raise self._failed(pending.path, err, pending.timeout) from None
+            raise self._failed(pending.path, err, pending.conn.timeout) from None
         if reply.will_close:
             pending.conn.close()
         else:
