@@ -15,6 +15,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from rloo_engine.algorithm import completion_mask
+from rloo_engine.kv_cache import sequence_major_cache
 from rloo_engine.sampling import TokenSampler
 
 
@@ -216,10 +217,9 @@ class HFGenerationBackend:
         return Rollout(prompt_ids, prompt_mask, completion_ids, mask, terminated, logps)
 
     def _generate_shared_prefill(self, model, prompt_ids, prompt_mask, g: int, recorder=None) -> torch.Tensor:
-        """Prefills prompt[:, :-1] once, repeats the cache G times, lets `generate` continue from the last token."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=model.config)
+        """Prefills prompt[:, :-1] once, repeats the cache G times, lets `generate` continue from the last token.
+        The cache appends each decoded token in place (kv_cache.py), reserving the prompt and every new token."""
+        cache = sequence_major_cache(model.config, prompt_ids.size(1) + self.params.max_completion_length)
         cache_arg = {cache_keyword(model): cache}
         prefix_mask = prompt_mask[:, :-1]
         position_ids = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
