@@ -54,10 +54,10 @@ class SequenceMajorLayer(DynamicLayer):
                 torch.promote_types(self._value_rows.dtype, value_states.dtype))
 
     def _reserve(self, rows: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """New buffers of at least `rows` rows (the reserved capacity, else double the old) in the promoted dtypes,
-        the filled rows kept."""
+        """New buffers of at least `rows` rows (the reserved capacity; double the old on overflow, the old size on
+        a dtype change alone) in the promoted dtypes, the filled rows kept."""
         old = 0 if self._key_rows is None else self._key_rows.shape[0]
-        size = max(rows, self.capacity, 2 * old)
+        size = max(rows, self.capacity, 2 * old if rows > old else old)
         B, H, _, D = key_states.shape
         key_dtype, value_dtype = self._promoted(key_states, value_states)
         keys = key_states.new_empty(size, B, H, D, dtype=key_dtype)

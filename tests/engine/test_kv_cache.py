@@ -50,6 +50,7 @@ def test_appending_wider_states_promotes_the_stored_ones_as_concatenation_does()
     theirs.update(new_keys, new_values)
     assert ours.values.dtype == theirs.values.dtype == torch.float32
     assert torch.equal(ours.values, theirs.values) and torch.equal(ours.keys, theirs.keys)
+    assert ours._value_rows.shape[0] == 8  # promoted in place of the old buffer, not grown
 
 
 def test_an_append_within_capacity_writes_in_place_and_copies_no_earlier_token():
