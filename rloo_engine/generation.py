@@ -7,7 +7,6 @@ The trainer only sees `GenerationBackend.generate(prompts, num_generations) -> R
 from __future__ import annotations
 
 import contextlib
-import inspect
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -15,7 +14,8 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from rloo_engine.algorithm import completion_mask
-from rloo_engine.kv_cache import sequence_major_cache
+from rloo_engine.fused_decode import FusedDecoder, decode_step_difference, unsupported_reason
+from rloo_engine.kv_cache import cache_keyword, sequence_major_cache
 from rloo_engine.sampling import TokenSampler
 
 
@@ -129,11 +129,14 @@ class HFGenerationBackend:
     """Samples with `model.generate` on the (unwrapped) training model.
 
     The prompt prefill runs once per prompt: the prompt's KV cache is computed on P rows and then
-    repeated G times, instead of `num_return_sequences=G` which prefills G copies.
+    repeated G times, instead of `num_return_sequences=G` which prefills G copies. With `fused_decode`, the
+    decoding after it runs `fused_decode.FusedDecoder` where that is `generate`'s loop for these settings (checked
+    once, on the first call, against the model's own forward; `say` gets the reason when it is not).
     """
 
     def __init__(self, model_getter, tokenizer, params: SamplingParams, shared_prefill: bool = True,
-                 gather=contextlib.nullcontext, record_logps: bool = False):
+                 gather=contextlib.nullcontext, record_logps: bool = False, fused_decode: bool = False,
+                 say=lambda message: None):
         self.model_getter = model_getter  # callable returning the unwrapped policy (LoRA-aware)
         self.gather = gather  # context making full weights available (DeepSpeed ZeRO-3)
         self.tokenizer = tokenizer
@@ -141,6 +144,8 @@ class HFGenerationBackend:
         self.shared_prefill = shared_prefill
         self.record_logps = record_logps  # fill Rollout.sampling_logps while decoding
         self.eos_ids = params.eos_token_ids or (tokenizer.eos_token_id,)
+        self._fused: bool | None = None if fused_decode and shared_prefill else False  # None: not checked yet
+        self.say = say
 
     def sync_weights(self, model: torch.nn.Module, step: int = 0) -> None:
         return None
@@ -217,8 +222,9 @@ class HFGenerationBackend:
         return Rollout(prompt_ids, prompt_mask, completion_ids, mask, terminated, logps)
 
     def _generate_shared_prefill(self, model, prompt_ids, prompt_mask, g: int, recorder=None) -> torch.Tensor:
-        """Prefills prompt[:, :-1] once, repeats the cache G times, lets `generate` continue from the last token.
-        The cache appends each decoded token in place (kv_cache.py), reserving the prompt and every new token."""
+        """Prefills prompt[:, :-1] once, repeats the cache G times, lets `generate` (or `FusedDecoder`) continue from
+        the last token. The cache appends each decoded token in place (kv_cache.py), reserving the prompt and every
+        new token."""
         cache = sequence_major_cache(model.config, prompt_ids.size(1) + self.params.max_completion_length)
         cache_arg = {cache_keyword(model): cache}
         prefix_mask = prompt_mask[:, :-1]
@@ -227,16 +233,33 @@ class HFGenerationBackend:
         model(input_ids=prompt_ids[:, :-1], attention_mask=prefix_mask, position_ids=position_ids,
               use_cache=True, logits_to_keep=1, **cache_arg)
         cache.batch_repeat_interleave(g)
-        return model.generate(
-            input_ids=prompt_ids.repeat_interleave(g, 0),
-            attention_mask=prompt_mask.repeat_interleave(g, 0),
-            **cache_arg,
-            **self._generation_kwargs(1, recorder),
-        )
+        prompt_ids, prompt_mask = prompt_ids.repeat_interleave(g, 0), prompt_mask.repeat_interleave(g, 0)
+        if self._fused_decode_runs(model):
+            p = self.params
+            decoder = FusedDecoder(model, prompt_ids.size(1) + p.max_completion_length)
+            draw = TokenSampler(p.temperature, p.top_k, p.top_p, p.min_p).draw
+            return decoder.decode(cache, prompt_ids, prompt_mask[:, :-1], p.max_completion_length,
+                                  [recorder] if recorder is not None else [], draw, self.eos_ids,
+                                  self.tokenizer.pad_token_id)
+        return model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **cache_arg,
+                              **self._generation_kwargs(1, recorder))
 
+    def _fused_decode_runs(self, model) -> bool:
+        """Whether `FusedDecoder` decodes: asked for, and on the first call the model and settings are ones it
+        covers and its step gives the model's own log-probs on a probe batch (within 1e-4)."""
+        if self._fused is not None:
+            return self._fused
+        try:
+            why = unsupported_reason(model, self.params.extra, self.params.repetition_penalty)
+            if why is None and self.tokenizer.pad_token_id is None:
+                why = "the tokenizer has no pad token"
+            difference = None if why is not None else decode_step_difference(model, len(self.tokenizer))
+        except (RuntimeError, TypeError, ValueError, AttributeError, IndexError) as err:  # a layout it misreads
+            difference, why = None, f"its check failed ({type(err).__name__}: {err})"
+        if difference is not None and difference > 1e-4:
+            why = f"on a probe batch its step is up to {difference:.3g} away from the model's own log-probs"
+        if why is not None:
+            self.say(f"rloo-engine: fused_decode: {why}; decoding with HF generate")
+        self._fused = why is None
+        return self._fused
 
-def cache_keyword(model: Any) -> str:
-    """The name the model's forward (and `generate`) gives the KV cache: `cache` from transformers 5.24,
-    `past_key_values` before. Read from the base model: a PEFT wrapper's forward takes only **kwargs."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"

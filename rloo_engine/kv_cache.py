@@ -13,6 +13,9 @@ would refuse. The training and log-prob passes keep transformers' `DynamicCache`
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -42,6 +45,17 @@ class SequenceMajorLayer(DynamicLayer):
         self._key_rows[self.length : self.length + n] = key_states.permute(2, 0, 1, 3)
         self._value_rows[self.length : self.length + n] = value_states.permute(2, 0, 1, 3)
         self.length += n
+        self._expose()
+        return self.keys, self.values
+
+    def append_token(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`update` for one decoded token's (B, H, D) keys and values of the stored dtypes, without its checks
+        (fused_decode.py's step): writes row L and returns the (B, H, L + 1, D) views."""
+        if self._key_rows is None or self.length >= self._key_rows.shape[0]:
+            self._reserve(self.length + 1, key.unsqueeze(2), value.unsqueeze(2))
+        self._key_rows[self.length] = key
+        self._value_rows[self.length] = value
+        self.length += 1
         self._expose()
         return self.keys, self.values
 
@@ -109,3 +123,10 @@ def sequence_major_cache(config, capacity: int) -> DynamicCache:
     cache = DynamicCache(config=config)
     cache.layers = [SequenceMajorLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def cache_keyword(model: Any) -> str:
+    """The name the model's forward (and `generate`) gives the KV cache: `cache` from transformers 5.24,
+    `past_key_values` before. Read from the base model: a PEFT wrapper's forward takes only **kwargs."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"

@@ -78,9 +78,13 @@ class TokenSampler(LogitsProcessor):
         if min_p:
             self.warpers.append(MinPLogitsWarper(min_p=min_p))
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    def draw(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """(B,) tokens drawn from the warped `scores` (B, V)."""
         for warp in self.warpers:
             scores = warp(input_ids, scores)
-        tokens = sample_categorical(torch.softmax(scores.float(), dim=-1))
+        return sample_categorical(torch.softmax(scores.float(), dim=-1))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        tokens = self.draw(input_ids, scores)
         chosen = torch.full_like(scores, float("-inf"))
         return chosen.scatter_(1, tokens.unsqueeze(-1), 0.0)

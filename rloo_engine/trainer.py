@@ -187,7 +187,13 @@ class RLOOTrainer:
                                        sleep_mode=c.vllm_enable_sleep_mode)
         return HFGenerationBackend(lambda: self.acc.unwrap_model(self.policy), self.tokenizer, self._sampling_params(),
                                    gather=lambda: full_weights_for_generation(self.acc, self.policy),
-                                   record_logps=self._record_decoding_logprobs())
+                                   record_logps=self._record_decoding_logprobs(), fused_decode=c.fused_decode,
+                                   say=self._say)
+
+    def _say(self, message: str) -> None:
+        """A start-up note on stderr, from the main process only."""
+        if self.acc.is_main_process:
+            print(message, file=sys.stderr)
 
     def _chunked_head_reproduces(self) -> bool:
         """Whether `chunked_logprobs` can run: the chunked head gives the model's own log-probs on a probe batch."""
