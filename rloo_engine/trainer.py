@@ -131,8 +131,12 @@ class RLOOTrainer:
         self.policy = load_policy(cfg)
         self.ref = load_reference(cfg)
         params = [p for p in self.policy.parameters() if p.requires_grad]
+        # Fused where torch has the kernel, as TRL's (transformers') default `adamw_torch_fused`: one CPU step of a
+        # 31.7M-parameter model took 37 ms against 133 for the per-tensor loop (bench/README.md).
+        fused = all(p.device.type in ("cpu", "cuda") for p in params) or None
         self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
+            params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
+            fused=fused,
         )
         self.total_steps = self._total_steps()
         warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * self.total_steps)
