@@ -171,8 +171,8 @@ class RLOOConfig(StrictModel):
         "Decode with the engine's own loop for float32 Qwen2- and Llama-shaped models (`rloo_engine/fused_decode.py`): "
         "q/k/v and gate/up packed into one matmul each, ~15 tensor ops a layer per token instead of transformers' "
         "~50, the same sampling, stopping and recorded log-probs as HF `generate` (the same tokens up to float32 "
-        "rounding). It pays where per-op overhead dominates a decode step: on 2 CPU cores, hidden 256 / 4 layers "
-        "decoded ~30% faster, hidden 512 / 8 layers ~4% (bench/README.md). Other models, dtypes, generation_kwargs, "
+        "rounding). It pays where per-op overhead dominates a decode step: on 2 CPU cores a generation call took "
+        "31-33% less time at hidden 256 / 4 layers, 4-9% at hidden 512 / 8 layers (bench/README.md). Other models, dtypes, generation_kwargs, "
         "a repetition penalty or logits processors from the model's generation_config decode with `generate`; so "
         "does a model whose decode step differs from its own forward on a probe batch at the first generation (with "
         "a message). HF backend only.",

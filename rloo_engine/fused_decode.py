@@ -25,15 +25,15 @@ import torch.nn.functional as F
 from transformers import GenerationConfig
 
 from rloo_engine.kv_cache import SequenceMajorLayer, cache_keyword, sequence_major_cache
+from rloo_engine.sampling import PROCESSOR_KWARGS
 
 _ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 # Rope types whose cos/sin at a position do not depend on the sequence length seen so far.
 _ROPE_TYPES = ("default", "linear", "llama3")
-# generation_config fields that add a processor or stopping rule `decode` would not apply.
-_CONFIG_FIELDS = ("stop_strings", "max_time", "watermarking_config", "guidance_scale", "renormalize_logits",
-                  "no_repeat_ngram_size", "bad_words_ids", "min_length", "min_new_tokens", "suppress_tokens",
-                  "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "sequence_bias",
-                  "exponential_decay_length_penalty")
+# generation_config fields that add a processor or stopping rule `decode` would not apply: the processor kwargs
+# the HF backend knows (the two that only `generate` calls take excluded), and a few `generate` applies itself.
+_CONFIG_FIELDS = (*sorted(PROCESSOR_KWARGS - {"logits_processor", "stopping_criteria"}),
+                  "watermarking_config", "guidance_scale", "renormalize_logits")
 
 
 def unsupported_reason(model: Any, extra: dict[str, Any] | None, repetition_penalty: float) -> str | None:

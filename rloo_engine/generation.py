@@ -16,7 +16,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from rloo_engine.algorithm import completion_mask
 from rloo_engine.fused_decode import FusedDecoder, decode_step_difference, unsupported_reason
 from rloo_engine.kv_cache import cache_keyword, sequence_major_cache
-from rloo_engine.sampling import TokenSampler
+from rloo_engine.sampling import PROCESSOR_KWARGS, TokenSampler
 
 
 @dataclass
@@ -71,16 +71,8 @@ class SampledTokenLogProbs(LogitsProcessor):
         return torch.stack(self.logps, dim=1)
 
 
-# generate kwargs that only add logits processors or stopping rules: they work the same under TokenSampler.
-_PROCESSOR_KWARGS = frozenset({
-    "min_new_tokens", "min_length", "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens",
-    "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "sequence_bias", "stop_strings",
-    "logits_processor", "stopping_criteria", "exponential_decay_length_penalty", "max_time",
-})
-
-
-# Of those, the ones that change the logits (the rest only stop generation early).
-_LOGIT_PROCESSOR_KWARGS = _PROCESSOR_KWARGS - {"stop_strings", "stopping_criteria", "max_time"}
+# Of the processor kwargs (sampling.PROCESSOR_KWARGS), the ones that change the logits (the rest only stop generation early).
+_LOGIT_PROCESSOR_KWARGS = PROCESSOR_KWARGS - {"stop_strings", "stopping_criteria", "max_time"}
 
 
 def logit_processors_in_use(generation_config: Any, extra: dict[str, Any] | None) -> list[str]:
@@ -155,7 +147,7 @@ class HFGenerationBackend:
         """Whether tokens are drawn by `sampling.TokenSampler` (faster than HF's multinomial on CPU). Extra
         generate kwargs other than logits processors and stopping rules may name warpers it does not apply
         (typical_p, epsilon/eta cutoffs, ...), so with any of those HF samples itself."""
-        return set(self.params.extra or {}) <= _PROCESSOR_KWARGS
+        return set(self.params.extra or {}) <= PROCESSOR_KWARGS
 
     def _generation_kwargs(self, num_return_sequences: int, recorder=None) -> dict[str, Any]:
         p = self.params

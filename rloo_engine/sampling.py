@@ -22,6 +22,13 @@ from transformers import (
 
 _BLOCK = 256
 
+# generate kwargs that only add logits processors or stopping rules: they work the same under TokenSampler.
+PROCESSOR_KWARGS = frozenset({
+    "min_new_tokens", "min_length", "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens",
+    "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "sequence_bias", "stop_strings",
+    "logits_processor", "stopping_criteria", "exponential_decay_length_penalty", "max_time",
+})
+
 
 def sample_categorical(probs: torch.Tensor, block: int = _BLOCK) -> torch.Tensor:
     """One draw per row of `probs` (B, V), non-negative, rows not necessarily normalised -> (B,) int64.
