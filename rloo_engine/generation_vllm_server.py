@@ -4,7 +4,7 @@ Rank 0 talks to the server; the other ranks send it their prompts and wait. Gene
 OpenAI `/v1/completions` route with prompt token ids, so the server continues exactly the tokens the trainer
 scores. Weights go through vLLM's weight-transfer API (`/init_weight_transfer_engine`, `/update_weights`,
 ...): NCCL on GPU, the `rloo_gloo` engine on CPU. Each sync's `/finish_weight_update` also sets the server's
-weight version to the trainer's optimizer step.
+weight version to the trainer's optimizer step, and `/reset_prefix_cache` drops the KV the old weights computed.
 
 With `async_generation` the trainer `submit`s the next batch's prompts before updating on this one and
 `collect`s them after, so the server generates while the trainer computes (one step off-policy).
@@ -221,6 +221,9 @@ class VLLMServerBackend:
         self.client.next_weight_version = str(step)
         try:
             self.engine.send_weights()
+            # vLLM's finish_weight_update keeps the prefix cache: a prompt prefix cached before the sync (a system
+            # prompt, the chat template, a second epoch) would be continued from KV of the old weights.
+            self.client.reset_prefix_cache()
         except VLLMServerError:
             raise
         except Exception as err:  # the group's peer died or timed out mid-transfer

@@ -159,6 +159,16 @@ class VLLMServerClient:
     def get(self, path: str) -> Any:
         return self._call("GET", path)
 
+    def reset_prefix_cache(self, attempts: int = 20) -> None:
+        """Drops the server's cached prompt KV. vLLM refuses (`success: false`) while running requests hold blocks,
+        which clears within a moment; a cache it will not drop is an error, never sampled from."""
+        for _ in range(attempts):
+            if self.post("/reset_prefix_cache").get("success", False):
+                return
+            time.sleep(0.1)
+        raise VLLMServerError(f"vLLM server {self.base_url}: /reset_prefix_cache refused {attempts} times; its "
+                              "cached prompts were computed by the previous weights")
+
     # vLLM's `VLLMWeightSyncClient` protocol, so that its trainer engines drive the handshake through this client.
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self.post("/init_weight_transfer_engine", {"init_info": init_info})
