@@ -136,6 +136,33 @@ def clipped_sequence_loss(
     return loss, ratio.detach()
 
 
+def sampling_kept_log_mass(scaled_logits: torch.Tensor, top_k: int | None = None, top_p: float = 1.0,
+                           min_p: float | None = None) -> torch.Tensor:
+    """log of the probability mass that truncated sampling keeps at each position, as vLLM's sampler truncates.
+
+    scaled_logits: (..., V) logits already divided by the temperature. Returns (...) float32 <= 0, exactly 0
+    where nothing is truncated. vLLM masks in this order: min_p (tokens below min_p times the top probability),
+    then top_k (ties with the k-th value kept), then top_p over what is left, renormalised (the smallest tokens
+    go while the mass below them is at most 1 - top_p; the top token always stays). Its processed log-probs are
+    of that renormalised distribution: log mu_trunc(o) = log mu(o) - kept_log_mass, which is how the trainer puts
+    them on the scale of its own full-distribution log-probs (`vllm_truncation` in docs/architecture.md).
+    """
+    log_probs = scaled_logits.float().log_softmax(-1)
+    keep = torch.ones_like(log_probs, dtype=torch.bool)
+    if min_p:
+        keep &= log_probs >= log_probs.amax(-1, keepdim=True) + math.log(min_p)
+    if top_k and top_k < log_probs.size(-1):
+        keep &= log_probs >= log_probs.masked_fill(~keep, -math.inf).topk(top_k, dim=-1).values[..., -1:]
+    if top_p < 1.0:
+        kept = log_probs.masked_fill(~keep, -math.inf).log_softmax(-1)
+        sorted_logps, order = kept.sort(dim=-1)  # ascending, as vLLM's top-p
+        below = sorted_logps.exp().cumsum(-1) <= 1 - top_p
+        below[..., -1] = False
+        keep &= ~torch.zeros_like(below).scatter(-1, order, below)
+    kept_log_mass = torch.logsumexp(log_probs.masked_fill(~keep, -math.inf), dim=-1)
+    return kept_log_mass.masked_fill(keep.all(-1), 0.0)  # exactly 0, not logsumexp's rounding of log 1
+
+
 def logprob_difference_stats(trainer_logps: torch.Tensor, generator_logps: torch.Tensor,
                              mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """Mean and max of |log pi_old(o_t) - log mu(o_t)| over real completion tokens (TRL's sampling_logp_difference).

@@ -73,21 +73,24 @@ def completion_token_logps(
     head runs in chunks of positions and the (B, T, V) logits never exist. With `share_prompts`, adjacent rows
     with the same prompt share one forward of it (`prompt_sharing.py`).
     """
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    completion_len = input_ids.size(1) - prompt_length
     tokens = input_ids[:, prompt_length:]
     head = chunkable_head(model) if chunked else None
-    run = _run_to_head(head)
-    groups = (prompt_groups(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
-              if share_prompts and prompt_length > 1 else None)
-    if groups is None:
-        out = run(model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  logits_to_keep=completion_len + 1, use_cache=False)[:, :-1]  # position t predicts token t + 1
-    else:
-        out = shared_prompt_outputs(model, run, input_ids, attention_mask, position_ids, prompt_length, groups)
+    out = _completion_outputs(model, _run_to_head(head), input_ids, attention_mask, prompt_length, share_prompts)
     if head is None:
         return A.token_log_probs(out, tokens, temperature, with_entropy)
     return chunked_token_log_probs(out, head, tokens, temperature, with_entropy)
+
+
+def _completion_outputs(model, run, input_ids, attention_mask, prompt_length: int, share_prompts: bool):
+    """`run`'s output (logits, or the head's input) at the T positions that predict the completion tokens."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    groups = (prompt_groups(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
+              if share_prompts and prompt_length > 1 else None)
+    if groups is None:
+        completion_len = input_ids.size(1) - prompt_length
+        return run(model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=completion_len + 1, use_cache=False)[:, :-1]  # position t predicts token t + 1
+    return shared_prompt_outputs(model, run, input_ids, attention_mask, position_ids, prompt_length, groups)
 
 
 def _run_to_head(head: torch.nn.Linear | None):
@@ -166,6 +169,25 @@ def batched_token_logps(model, input_ids, attention_mask, prompt_length, tempera
             for i in range(0, input_ids.size(0), batch_size)
         ]
     return torch.cat(parts)
+
+
+@torch.no_grad()
+def batched_truncated_token_logps(model, input_ids, attention_mask, prompt_length, temperature, batch_size,
+                                  truncation: dict, share_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batched_token_logps` (without the chunked head: the truncation needs each position's whole distribution)
+    and, from the same forward, each completion position's `A.sampling_kept_log_mass` under `truncation`
+    ({top_k, top_p, min_p}, vLLM's order). Returns ((N, T), (N, T)) float32."""
+    tokens = input_ids[:, prompt_length:]
+    logps, kept = [], []
+    with frozen(model):
+        for i in range(0, input_ids.size(0), batch_size):
+            rows = slice(i, i + batch_size)
+            logits = _completion_outputs(model, _run_to_head(None), input_ids[rows], attention_mask[rows],
+                                         prompt_length, share_prompts)
+            logps.append(A.token_log_probs(logits, tokens[rows], temperature)[0])
+            kept.append(torch.stack([A.sampling_kept_log_mass(row.float() / temperature, **truncation)
+                                     for row in logits]))  # a (T, V) slice at a time, as token_log_probs
+    return torch.cat(logps), torch.cat(kept)
 
 
 def group_reward_std(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:

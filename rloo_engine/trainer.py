@@ -64,6 +64,7 @@ from rloo_engine.reward_sources import EmptySourceWatch, RewardModelSource, buil
 from rloo_engine.rollout import (
     GenerationBatch,
     batched_token_logps,
+    batched_truncated_token_logps,
     chunked_head_difference,
     completion_length_metrics,
     completion_token_logps,
@@ -196,6 +197,13 @@ class RLOOTrainer:
                                    gather=lambda: full_weights_for_generation(self.acc, self.policy),
                                    record_logps=self._record_decoding_logprobs(), fused_decode=c.fused_decode,
                                    say=self._say)
+
+    def _vllm_truncation(self) -> dict | None:
+        """The truncation vLLM samples under (top_k, top_p, min_p), or None when it samples the full softmax."""
+        c = self.cfg
+        if not (c.top_k or c.top_p < 1.0 or c.min_p):
+            return None
+        return {"top_k": c.top_k, "top_p": c.top_p, "min_p": c.min_p}
 
     def _say(self, message: str) -> None:
         """A start-up note on stderr, from the main process only."""
@@ -332,12 +340,23 @@ class RLOOTrainer:
         # detached), and `loss` compares the two. HF's decoding log-probs are the trainer's own, so they may be.
         generator_logps = rollout.generator_logps
         recorded_logps = rollout.sampling_logps if generator_logps is None else None
+        truncation = self._vllm_truncation() if generator_logps is not None else None
         with self._timed("reference"):
-            if c.beta > 0 or not self.on_policy:
+            if c.beta > 0 or not self.on_policy or truncation:
                 self.policy.eval()  # sampling-policy and reference log-probs, without dropout noise
                 try:
                     old_logps = recorded_logps  # recorded while decoding (sampling_logprobs)
-                    if old_logps is None:
+                    if truncation:
+                        with self.acc.autocast():
+                            old_logps, kept_log_mass = batched_truncated_token_logps(
+                                self.policy, input_ids, attention_mask, P, c.temperature,
+                                c.per_device_train_batch_size, truncation, self.share_prompts)
+                        # vLLM's processed log-probs are of the truncated, renormalised distribution; on the
+                        # scale of the trainer's own (full) log-probs they are log mu(o) = log mu_trunc(o) + the
+                        # log of the mass the truncation kept, here the trainer's at pi_old. Without this, rho
+                        # and the importance weights at the sampling weights would be prod_t Z_t, not 1.
+                        generator_logps = (generator_logps.to(kept_log_mass.device) + kept_log_mass) * mask
+                    elif old_logps is None:
                         with self.acc.autocast():  # as the reference below and the training forward
                             old_logps = batched_token_logps(self.policy, input_ids, attention_mask, P, c.temperature,
                                                             c.per_device_train_batch_size, self.chunked_logprobs,

@@ -127,3 +127,61 @@ def test_against_vllms_log_probs_the_clip_bounds_the_step_from_the_sampling_poli
     (grad,) = torch.autograd.grad(loss, logps)
     torch.testing.assert_close(grad[0], -math.exp(0.06) / 2 * MASK[0].float())  # d(-rho A / 2) = -rho A / 2
     assert grad[1].abs().sum() == 0
+
+
+def brute_force_kept_log_mass(logits: torch.Tensor, top_k=None, top_p=1.0, min_p=None) -> float:
+    """One position, token by token, in vLLM's order: min_p, top_k (ties kept), top_p on the renormalised rest."""
+    probs = logits.softmax(-1).tolist()
+    kept = set(range(len(probs)))
+    if min_p:
+        kept = {i for i in kept if probs[i] >= min_p * max(probs)}
+    if top_k:
+        kth = sorted((probs[i] for i in kept), reverse=True)[min(top_k, len(kept)) - 1]
+        kept = {i for i in kept if probs[i] >= kth}
+    if top_p < 1.0:
+        total = sum(probs[i] for i in kept)
+        ascending = sorted(kept, key=lambda i: probs[i])
+        below = 0.0
+        for i in ascending[:-1]:  # the top token always stays
+            below += probs[i] / total
+            if below <= 1 - top_p:
+                kept.discard(i)
+            else:
+                break
+    return math.log(sum(probs[i] for i in kept))
+
+
+@pytest.mark.parametrize("truncation", [dict(top_p=0.9), dict(top_k=3), dict(min_p=0.2), dict(top_k=5, top_p=0.7),
+                                        dict(top_k=6, top_p=0.5, min_p=0.1)])
+def test_sampling_kept_log_mass_is_the_log_of_what_vllms_truncation_keeps(truncation):
+    torch.manual_seed(0)
+    logits = torch.randn(4, 6, 12) * 2  # (B, T, V)
+    kept = A.sampling_kept_log_mass(logits, **truncation)
+    assert kept.shape == (4, 6) and (kept <= 0).all() and (kept < -1e-3).any()
+    expected = torch.tensor([[brute_force_kept_log_mass(pos, **truncation) for pos in row] for row in logits])
+    torch.testing.assert_close(kept, expected, atol=1e-6, rtol=0)
+
+
+def test_sampling_kept_log_mass_is_zero_without_truncation():
+    logits = torch.randn(3, 5, 9)
+    assert torch.equal(A.sampling_kept_log_mass(logits), torch.zeros(3, 5))
+    assert torch.equal(A.sampling_kept_log_mass(logits, top_k=9, top_p=1.0), torch.zeros(3, 5))
+
+
+def test_with_the_kept_mass_added_back_a_truncated_sampler_gives_ratio_one_at_the_sampling_weights():
+    """The defect: vLLM reports log mu_trunc = log pi - log Z. Taken as is, the sequence ratio at the sampling
+    weights is prod_t Z_t (median 0.08 measured at top_p 0.9), so the clip removes most of the gradient."""
+    torch.manual_seed(1)
+    logits = torch.randn(8, 10, 50)
+    tokens = logits.argmax(-1)  # kept under any truncation
+    trainer, _ = A.token_log_probs(logits, tokens)
+    kept = A.sampling_kept_log_mass(logits, top_p=0.9)
+    vllm_reported = trainer - kept
+    mask = torch.ones(8, 10)
+    advantages = torch.tensor([1.0, -1.0] * 4)
+    raw = A.sequence_log_probs(trainer, mask) - A.sequence_log_probs(vllm_reported, mask)
+    assert raw.exp().max() < 0.9  # every row's rho far below 1 - epsilon
+    _, ratio = A.clipped_sequence_loss(A.sequence_log_probs(trainer, mask),
+                                       A.sequence_log_probs(vllm_reported + kept, mask), advantages, 0.2, 0.2)
+    torch.testing.assert_close(ratio, torch.ones(8))
+    assert A.clip_ratio_metrics(ratio, advantages, 0.2, 0.2)["region"] == 0

@@ -204,3 +204,34 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_processes_is_refused(vl
 
     with pytest.raises(ConfigError, match=r"vllm_tensor_parallel_size: 2 does not divide the 1 training process"):
         VLLMColocateBackend(str(vllm_policy), tok, SamplingParams(4), tensor_parallel_size=2, layout=ProcessLayout())
+
+
+@pytest.mark.parametrize("truncation", [dict(top_p=0.9), dict(top_k=20), dict(min_p=0.5),
+                                        dict(top_k=50, top_p=0.8, min_p=0.3)])
+def test_truncated_sampling_log_probs_are_the_trainers_less_the_kept_mass(greedy, vllm_policy, tok, truncation):
+    """vLLM's processed log-probs under top_p/top_k/min_p are of the truncated, renormalised distribution. The
+    trainer's full log-probs less `sampling_kept_log_mass` (vLLM's truncation redone on the trainer's logits) equal
+    them; the full log-probs alone are off by the log of the kept mass on every token."""
+    from rloo_engine.rollout import batched_truncated_token_logps
+
+    model = AutoModelForCausalLM.from_pretrained(vllm_policy, dtype=torch.float32).eval()
+    greedy.sync_weights(model)
+    saved = dict(vars(greedy.params))
+    greedy.params.temperature = 0.7
+    kwargs = {"top_k": None, "top_p": 1.0, "min_p": None, **truncation}
+    for name, value in kwargs.items():
+        setattr(greedy.params, name, value)
+    try:
+        rollout = greedy.generate(PROMPTS * 4, 4)
+    finally:
+        vars(greedy.params).update(saved)
+    input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+    attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
+    full, kept = batched_truncated_token_logps(model, input_ids, attention_mask, rollout.prompt_ids.size(1), 0.7, 8,
+                                               kwargs)
+    mask = rollout.completion_mask.bool()
+    corrected = (full - kept - rollout.generator_logps).abs()[mask]
+    uncorrected = (full - rollout.generator_logps).abs()[mask]
+    print(f"{truncation}: |trainer - kept - vLLM| max {corrected.max():.2e}; uncorrected mean {uncorrected.mean():.2e}")
+    assert corrected.max() < LOGPROB_TOLERANCE
+    assert uncorrected.mean() > 100 * LOGPROB_TOLERANCE  # the defect: rho = prod_t Z_t at the sampling weights

@@ -335,3 +335,21 @@ def test_a_prompt_prefix_cached_before_a_sync_is_not_sampled_from_after_it(serve
     diffs = [r["vllm/logprob_diff_max"] for r in read_metrics(out)]
     print(f"vllm/logprob_diff_max per step: {diffs}")
     assert max(diffs) < FRESH_SERVER_BOUND, diffs
+
+
+@pytest.mark.parametrize("truncation", [["--top_p", "0.9"], ["--top_k", "20"]])
+def test_truncated_sampling_keeps_rho_at_one_at_the_sampling_weights(server, vllm_policy, tmp_path, truncation):
+    """`ratio_anchor: vllm` at staleness 0 under top_p / top_k: rho = pi_theta / mu must be 1 where theta sampled the
+    batch, so the clip acts only on policy movement. Taken against vLLM's truncated log-probs as reported, rho was
+    prod_t Z_t (median 0.08 at top_p 0.9) and clip_ratio/region_mean read 0.62-0.75 at step 1."""
+    out = tmp_path / "truncated"
+    proc = run(train_command(vllm_policy, out, server.url, "--max_steps", "3", "--async_generation", "true",
+                             "--max_staleness", "0", "--ratio_anchor", "vllm", "--temperature", "0.7",
+                             "--vllm_importance_sampling_correction", "true", *truncation))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = read_metrics(out)
+    for r in rows:
+        assert r["clip_ratio/region_mean"] == 0.0
+        for k in ("min", "max"):  # sequences of up to 8 tokens, each within fp32 kernel rounding
+            assert r[f"sampling/importance_sampling_ratio/{k}"] == pytest.approx(1.0, abs=1e-4)
+        assert r["vllm/logprob_diff_max"] < 1e-4
