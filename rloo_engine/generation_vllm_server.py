@@ -55,6 +55,41 @@ def _address_towards(host: str) -> str:
         return probe.getsockname()[0]
 
 
+def server_weight_transfer(client: VLLMServerClient) -> str:
+    """The server's weight-transfer backend (`--weight-transfer-config`), checked against this trainer's device:
+    refused here, before any training, rather than at the first sync."""
+    config = client.get("/server_info?config_format=json").get("vllm_config") or {}
+    backend = (config.get("weight_transfer_config") or {}).get("backend")
+    fix = "start it with `rloo-engine vllm-serve --model ...`, which sets it"
+    if backend is None:
+        raise VLLMServerError(f"vLLM server {client.base_url} was started without --weight-transfer-config, so it "
+                              f"cannot take the trainer's weights; {fix}")
+    if backend not in ("nccl", "ipc", "rloo_gloo"):
+        raise VLLMServerError(f"vLLM server {client.base_url}: weight-transfer backend {backend!r}; the trainer "
+                              "sends over nccl, ipc (a server on the trainer's own GPU) or rloo_gloo (CPU)")
+    if backend != "rloo_gloo" and not torch.cuda.is_available():
+        raise VLLMServerError(f"vLLM server {client.base_url}: weight-transfer backend {backend!r} needs CUDA in the "
+                              "trainer, which has none; on CPU start the server with --weight_transfer rloo_gloo")
+    return backend
+
+
+def transfer_failure(base_url: str, group_port: int, err: Exception) -> str:
+    """The one-line error of a weight-transfer group that did not form, with the fix where there is a known one."""
+    if "Duplicate GPU" in str(err):  # NCCL refuses two ranks on one device (huggingface/trl#3706, #3158)
+        return (f"vLLM server {base_url} runs on this trainer's GPU, where NCCL cannot form the weight-transfer "
+                "group (Duplicate GPU detected); restart it with `rloo-engine vllm-serve --weight_transfer ipc ...` "
+                "(CUDA IPC, for a server that shares the trainer's device)")
+    return f"vLLM server {base_url}: weight-transfer group on port {group_port} failed: {type(err).__name__}: {err}"
+
+
+def _ipc_engine(client, source, is_sender: bool):
+    """vLLM's CUDA IPC trainer engine (a server on the trainer's own device): no group to join, handles by HTTP."""
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
+
+    return IPCTrainerWeightTransferEngine.trainer_init(IPCTrainerInitInfo(rank=0 if is_sender else 1),
+                                                       client=client, source=source)
+
+
 @dataclass
 class InFlight:
     """A generation request `submit` sent: this rank's prompt ids, and rank 0's future of everyone's results."""
@@ -84,7 +119,10 @@ class VLLMServerBackend:
         self.source = _ItemsSource()
         self.client = self.engine = None
         self.model_id = ""
-        self._on_main(lambda: self._connect(timeout, group_port))
+        self.transfer = self._on_main(lambda: self._connect(timeout, group_port))
+        if self.transfer == "ipc" and not self.acc.is_main_process:
+            # CUDA IPC: every rank joins the all-gather of its GPU's handles; rank 0 alone talks to the server.
+            self.engine = _ipc_engine(None, self.source, is_sender=False)
 
     def _on_main(self, work):
         """Runs `work` on rank 0 and gives every rank its result, or raises its error on every rank."""
@@ -103,16 +141,22 @@ class VLLMServerBackend:
             raise VLLMServerError(value)
         return value
 
-    def _connect(self, timeout: float, group_port: int) -> None:
+    def _connect(self, timeout: float, group_port: int) -> str:
+        """Connects to the server and joins its weight-transfer engine; returns the engine's backend name."""
         import_vllm()
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         self.client = VLLMServerClient(self.base_url, timeout)
         self.client.wait_until_healthy()
         self.model_id = self.client.get("/v1/models")["data"][0]["id"]
+        transfer = server_weight_transfer(self.client)
+        if transfer == "ipc":
+            self.client.post("/shutdown_weight_transfer_engine")
+            self.engine = _ipc_engine(self.client, self.source, is_sender=True)
+            return transfer
         world = 1 + int(self.client.get("/get_world_size")["world_size"])
         host = urlparse(self.base_url).hostname or "127.0.0.1"
-        if torch.cuda.is_available():
+        if transfer == "nccl":
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
             info = NCCLTrainerInitInfo(_address_towards(host), group_port, world, rank=0)
@@ -127,8 +171,8 @@ class VLLMServerBackend:
         except VLLMServerError:
             raise
         except Exception as err:  # a store or group timeout: the server never joined
-            raise VLLMServerError(f"vLLM server {self.base_url}: weight-transfer group on port {group_port} "
-                                  f"failed: {type(err).__name__}: {err}") from None
+            raise VLLMServerError(transfer_failure(self.base_url, group_port, err)) from None
+        return transfer
 
     # ------------------------------------------------------------------ generation
     def _body(self, ids: list[int], n: int, seed: int) -> dict:
@@ -213,6 +257,8 @@ class VLLMServerBackend:
         with vllm_weight_items(model) as items:
             self.source.items = items
             try:
+                if self.transfer == "ipc" and not self.acc.is_main_process:
+                    self.engine.send_weights()  # this rank's share of the handle all-gather
                 self._on_main(lambda: self._push(step))
             finally:
                 self.source.items = []
@@ -232,11 +278,12 @@ class VLLMServerBackend:
 
     def close(self) -> None:
         """Leaves the server's weight-transfer group (the server keeps serving the last weights)."""
-        if self.engine is not None:
+        if self.engine is not None and self.client is not None:
             try:  # briefly: after a failure the server may be the thing that hangs
                 self.client.post("/shutdown_weight_transfer_engine", timeout=min(2.0, self.client.timeout))
             except VLLMServerError:
                 pass  # a dead server has no group to leave; the run's own error is already on its way
+        if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
         if self.client is not None:

@@ -20,7 +20,7 @@ import gc
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import ClassVar
 
@@ -66,6 +66,16 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     dtype_names: list[str]
     shapes: list[list[int]]
     bucket_bytes: int = 0  # > 0: tensors travel packed, one broadcast per bucket (`buckets`); 0: one per tensor
+    # same_as[i] = j < i: name i is tensor j again (a tied lm_head and its embedding), loaded under both names but
+    # sent once; empty or same_as[i] == i: its own tensor.
+    same_as: list[int] = field(default_factory=list)
+
+
+def alias_indices(tensors: list[torch.Tensor]) -> list[int]:
+    """For each tensor, the index of the first one that is the same tensor (same storage, offset, shape, dtype)."""
+    first: dict[tuple, int] = {}
+    return [first.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype), i)
+            for i, t in enumerate(tensors)]
 
 
 # Why packed: a broadcast and a `load_weights` call per tensor cost ~1 ms each on loopback gloo whatever the
@@ -73,12 +83,16 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
 BUCKET_BYTES = 64 * 2**20
 
 
-def buckets(dtype_names: list[str], shapes: list[list[int]], bucket_bytes: int) -> list[list[int]]:
+def buckets(dtype_names: list[str], shapes: list[list[int]], bucket_bytes: int,
+            same_as: list[int] | None = None) -> list[list[int]]:
     """Indices of the tensors that travel together: consecutive ones of one dtype, up to `bucket_bytes` in all
-    (a larger tensor alone). Sender and receiver compute the same grouping from the update info."""
+    (a larger tensor alone), leaving out those that repeat an earlier one (`same_as`). Sender and receiver compute
+    the same grouping from the update info."""
     groups: list[list[int]] = []
     size = 0
     for index, (dtype_name, shape) in enumerate(zip(dtype_names, shapes)):
+        if same_as and same_as[index] != index:
+            continue
         nbytes = math.prod(shape) * getattr(torch, dtype_name).itemsize
         if groups and dtype_name == dtype_names[groups[-1][0]] and size + nbytes <= bucket_bytes:
             groups[-1].append(index)
@@ -143,14 +157,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                 _broadcast(self.group, weight)
                 self.model.load_weights([(name, weight.to(self.device))])
             return
-        for group in buckets(info.dtype_names, info.shapes, info.bucket_bytes):
+        repeated = {j: [i for i, k in enumerate(info.same_as) if k == j and i != j] for j in set(info.same_as)}
+        for group in buckets(info.dtype_names, info.shapes, info.bucket_bytes, info.same_as):
             sizes = [math.prod(info.shapes[i]) for i in group]
             # A new buffer per bucket: the layerwise reload may hold the views it was given until a layer is whole.
             flat = torch.empty(sum(sizes), dtype=getattr(torch, info.dtype_names[group[0]]))
             _broadcast(self.group, flat)
-            views = flat.split(sizes)
-            self.model.load_weights([(info.names[i], view.view(info.shapes[i]).to(self.device))
-                                     for i, view in zip(group, views)])
+            weights = [(i, view.view(info.shapes[i]).to(self.device)) for i, view in zip(group, flat.split(sizes))]
+            # a repeated tensor is loaded under its other names too (vLLM's reload needs each layer's weight)
+            self.model.load_weights([(info.names[k], w) for i, w in weights for k in [i, *repeated.get(i, [])]])
 
     def shutdown(self) -> None:
         self.group = self.store = None
@@ -200,12 +215,13 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if not self.is_sender:
             return
         info = GlooWeightTransferUpdateInfo([n for n, _ in items], [str(t.dtype).split(".")[-1] for _, t in items],
-                                            [list(t.shape) for _, t in items], BUCKET_BYTES)
+                                            [list(t.shape) for _, t in items], BUCKET_BYTES,
+                                            alias_indices([t for _, t in items]))
         self.client.start_weight_update()
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             future = pool.submit(self.client.update_weights, asdict(info))
-            for group in buckets(info.dtype_names, info.shapes, info.bucket_bytes):
+            for group in buckets(info.dtype_names, info.shapes, info.bucket_bytes, info.same_as):
                 _broadcast(self.group, torch.cat([items[i][1].detach().to("cpu").reshape(-1) for i in group]))
             future.result()
         finally:

@@ -3,8 +3,12 @@
 What the trainer needs of the server, and so what this adds to `vllm serve`:
 - `VLLM_SERVER_DEV_MODE=1`: vLLM mounts its RL routes (`/init_weight_transfer_engine`, `/update_weights`,
   `/update_weight_version`, `/weight_info`, ...) only in dev mode;
-- `--weight-transfer-config`: `nccl` where CUDA is present, else `rloo_gloo` (rloo_engine/vllm_gloo_transfer.py);
-- `--logprobs-mode processed_logprobs`: the sampled tokens' log-probs after temperature, as the trainer scores them.
+- `--weight-transfer-config`: `--weight_transfer auto` (the default) is `nccl` where CUDA is present, else
+  `rloo_gloo` (rloo_engine/vllm_gloo_transfer.py). A server on a GPU the trainer also uses needs `ipc` (CUDA IPC):
+  NCCL cannot put two ranks of one group on one device ("Duplicate GPU detected"). The trainer reads the choice
+  from `/server_info` and refuses a server started without one before training starts;
+- `--logprobs-mode processed_logprobs`: the sampled tokens' log-probs after temperature, as the trainer scores them;
+- `--max-logprobs -1`: no cap on the log-probs a request may ask for (TRL's server has none either).
 
 It prints the equivalent plain vLLM command, then becomes the server (exec): a signal to this process reaches vLLM.
 vLLM's engine core finds `rloo_gloo` through rloo-pipeline's `vllm.general_plugins` entry point, so on CPU the
@@ -25,16 +29,26 @@ from rloo_engine.argparsing import StrictArgumentParser
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
-def transfer_backend(cuda: bool) -> str:
-    return "nccl" if cuda else "rloo_gloo"
+TRANSFER_BACKENDS = ("auto", "nccl", "ipc", "rloo_gloo")
+
+
+def transfer_backend(choice: str, cuda: bool, shares_trainer_gpu: bool = False) -> str:
+    if choice in ("nccl", "ipc") and not cuda:
+        raise SystemExit(f"rloo-engine vllm-serve: --weight_transfer {choice} needs CUDA; without it use rloo_gloo")
+    if choice != "auto":
+        return choice
+    if not cuda:
+        return "rloo_gloo"
+    return "ipc" if shares_trainer_gpu else "nccl"
 
 
 def vllm_server_args(args: argparse.Namespace, cuda: bool) -> list[str]:
     """vLLM's own server flags for these options (the part shared by both printed and run commands)."""
     flags = ["--model", args.model, "--host", args.host, "--port", str(args.port),
              "--tensor-parallel-size", str(args.tensor_parallel_size), "--dtype", args.dtype,
-             "--weight-transfer-config", json.dumps({"backend": transfer_backend(cuda)}),
-             "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching"]
+             "--weight-transfer-config", json.dumps({"backend": transfer_backend(args.weight_transfer, cuda,
+                                                                            args.shares_trainer_gpu)}),
+             "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", "--enable-prefix-caching"]
     if args.gpu_memory_utilization is not None:
         flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.max_model_len is not None:
@@ -59,6 +73,11 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu_memory_utilization", type=float, default=None)
     p.add_argument("--max_model_len", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--weight_transfer", choices=TRANSFER_BACKENDS, default="auto",
+                   help="how trainer weights reach the server: auto = nccl with CUDA, rloo_gloo without; ipc for a "
+                        "server on a GPU the trainer uses too (NCCL refuses two ranks on one device)")
+    p.add_argument("--shares_trainer_gpu", action="store_true",
+                   help="the trainer uses this server's GPU too: --weight_transfer auto then picks ipc on CUDA")
     p.add_argument("--dry_run", action="store_true", help="print the commands and exit")
     return p
 

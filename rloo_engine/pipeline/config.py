@@ -141,7 +141,8 @@ class VLLMServerSection(StrictModel):
         None,
         "CUDA devices of the server (its `CUDA_VISIBLE_DEVICES`, as the worker's `CUDA_VISIBLE_DEVICES` names them, "
         "or indices 0..n-1 when that is unset); the training group gets the node's other devices. None = no split: "
-        "both see every device (only sensible on CPU, or with `gpu_memory_utilization` leaving room for training).",
+        "both see every device (only sensible on CPU, or with `gpu_memory_utilization` leaving room for training; on "
+        "a GPU the server then takes weights by CUDA IPC, `vllm-serve --shares_trainer_gpu`, as NCCL cannot).",
         min_length=1,
     )
     host: str = F(

@@ -100,6 +100,8 @@ def serve_command(settings: VLLMServerSection, model_path: str, port: int, dtype
         cmd += ["--gpu_memory_utilization", str(settings.gpu_memory_utilization)]
     if settings.max_model_len is not None:
         cmd += ["--max_model_len", str(settings.max_model_len)]
+    if settings.devices is None:  # no split: the server's GPU is a training GPU too, where NCCL cannot sync
+        cmd += ["--shares_trainer_gpu"]
     return cmd + (["--", *settings.extra_args] if settings.extra_args else [])
 
 

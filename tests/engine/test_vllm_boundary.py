@@ -6,6 +6,7 @@ scripts/test_vllm.sh in a venv of their own.
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -89,6 +90,55 @@ def test_vllm_serve_runs_vllms_server_with_the_options_server_mode_needs():
     assert '{"backend": "nccl"}' in " ".join(gpu) and "--enforce-eager" not in gpu and "rloo_gloo" not in gpu_plain
     eager, _, _ = serve_command(["--model", "/m", "--", "--enforce-eager"], cuda=False)
     assert eager[-1] == "--enforce-eager"  # the faster start, when a user asks for it
+    assert command[command.index("--max-logprobs") + 1] == "-1"  # no cap, as TRL's server
+
+
+def test_a_server_on_the_trainers_own_gpu_takes_weights_by_cuda_ipc():
+    """NCCL refuses two ranks of one group on one device ("Duplicate GPU detected", huggingface/trl#3706)."""
+    from rloo_engine.vllm_serve import serve_command
+
+    backend = lambda argv, cuda: json.loads(  # noqa: E731
+        (c := serve_command(argv, cuda=cuda)[0])[c.index("--weight-transfer-config") + 1])["backend"]
+    assert backend(["--model", "/m", "--shares_trainer_gpu"], True) == "ipc"
+    assert backend(["--model", "/m", "--weight_transfer", "ipc"], True) == "ipc"
+    assert backend(["--model", "/m", "--shares_trainer_gpu"], False) == "rloo_gloo"  # CPU: no NCCL to avoid
+    assert backend(["--model", "/m"], True) == "nccl"
+    with pytest.raises(SystemExit, match="--weight_transfer ipc needs CUDA"):
+        serve_command(["--model", "/m", "--weight_transfer", "ipc"], cuda=False)
+
+
+class StubClient:
+    base_url = "http://10.0.0.5:8000"
+
+    def __init__(self, weight_transfer_config):
+        self.reply = {"vllm_config": {"weight_transfer_config": weight_transfer_config}}
+
+    def get(self, path):
+        assert path == "/server_info?config_format=json"
+        return self.reply
+
+
+def test_the_trainer_refuses_a_server_without_a_weight_transfer_engine_before_training():
+    from rloo_engine.generation_vllm_server import server_weight_transfer
+    from rloo_engine.vllm_server_client import VLLMServerError
+
+    with pytest.raises(VLLMServerError, match=r"http://10.0.0.5:8000 was started without --weight-transfer-config.*"
+                                              r"rloo-engine vllm-serve"):
+        server_weight_transfer(StubClient(None))
+    with pytest.raises(VLLMServerError, match=r"backend 'nccl' needs CUDA in the trainer.*rloo_gloo"):
+        server_weight_transfer(StubClient({"backend": "nccl"}))
+    with pytest.raises(VLLMServerError, match=r"backend 'sharded_rdt'; the trainer sends over nccl, ipc"):
+        server_weight_transfer(StubClient({"backend": "sharded_rdt"}))
+    assert server_weight_transfer(StubClient({"backend": "rloo_gloo"})) == "rloo_gloo"
+
+
+def test_nccls_duplicate_gpu_error_names_the_ipc_fix():
+    from rloo_engine.generation_vllm_server import transfer_failure
+
+    message = transfer_failure("http://127.0.0.1:8000", 51216, RuntimeError(
+        "NCCL error in: ProcessGroupNCCL.cpp:1835, invalid usage, NCCL version 2.21.5\nDuplicate GPU detected : "
+        "rank 0 and rank 1 both on CUDA device 1000"))
+    assert "runs on this trainer's GPU" in message and "--weight_transfer ipc" in message and "\n" not in message
 
 
 def test_prompts_are_cut_so_prompt_and_completion_fit_the_model_positions(tmp_path, qwen2_model):
