@@ -124,7 +124,10 @@ class RLOOConfig(StrictModel):
     # ---------------------------------------------------------------- sampling
     max_completion_length: int = F(256, "Maximum tokens sampled per completion.", ge=1)
     temperature: float = F(1.0, "Sampling temperature; log-probs are computed from logits scaled by it too.", gt=0.0)
-    top_p: float = F(1.0, "Nucleus sampling mass; 1.0 = off.", gt=0.0, le=1.0)
+    top_p: float = F(1.0, "Nucleus sampling mass; 1.0 = off. With vLLM, its log-probs of the truncated distribution "
+                     "are put back on the trainer's full-distribution scale before the ratio and the importance "
+                     "weights use them (docs/architecture.md, \"Truncated sampling\"); top_k and min_p the same.",
+                     gt=0.0, le=1.0)
     top_k: int | None = F(None, "Top-k sampling; None or 0 = off.", ge=0)
     min_p: float | None = F(None, "Min-p sampling threshold; None = off.", ge=0.0, le=1.0)
     repetition_penalty: float = F(1.0, "Repetition penalty for sampling; 1.0 = off.", gt=0.0)
@@ -186,19 +189,23 @@ class RLOOConfig(StrictModel):
     )
     vllm_mode: Literal["colocate", "server"] = F(
         "colocate",
-        "`colocate`: a vLLM engine inside each training process, sharing its device; weights are reloaded in "
-        "place (`reload_weights`). `server`: a vLLM server of its own (`rloo-engine vllm-serve`), rank 0 sends it "
+        "`colocate`: a vLLM engine inside each training process, sharing its device (vLLM's `external_launcher` "
+        "layout, as TRL's: its engine core stays in the training process); weights are reloaded in place "
+        "(`reload_weights`). `server`: a vLLM server of its own (`rloo-engine vllm-serve`), rank 0 sends it "
         "every rank's prompts and pushes weights through vLLM's weight-transfer API (NCCL on GPU, `rloo_gloo` on "
         "CPU), then sets its weight version to the optimizer step.",
     )
     vllm_gpu_memory_utilization: float = F(
         0.3, "Fraction of GPU memory vLLM may take in colocate mode; the rest is for training.", gt=0.0, le=1.0
     )
-    vllm_tensor_parallel_size: int = F(1, "Tensor-parallel size of the colocated vLLM engine.", ge=1)
+    vllm_tensor_parallel_size: int = F(
+        1, "Colocate: tensor-parallel size of each vLLM engine. k > 1 makes each k consecutive training ranks one "
+        "engine (they share their prompts and each keeps its own completions); it must divide the number of "
+        "training processes. Server mode: pass `--tensor_parallel_size` to `rloo-engine vllm-serve` instead.", ge=1)
     vllm_enable_sleep_mode: bool = F(
-        False, "Colocate on GPU: put vLLM to sleep (level 1: weights to host memory, KV cache freed) after each "
-        "generation and wake it for the next sync, so the update has its memory (TRL's option). Refused on CPU. "
-        "Not yet run on a GPU.")
+        False, "Colocate on GPU: put vLLM to sleep after each generation (level 2, as TRL: weights and KV cache "
+        "freed), so the update has its memory; the next sync wakes the weights and loads the new ones, generation "
+        "then wakes the KV cache. Refused on CPU. Not yet run on a GPU.")
     vllm_server_base_url: str | None = F(
         None, "Server mode: the vLLM server's URL, e.g. `http://10.0.0.5:8000`. Overrides `vllm_server_host` "
         "and `vllm_server_port`.")
