@@ -66,9 +66,17 @@ def tensor_parallel_group(layout: ProcessLayout, tensor_parallel_size: int):
     return group
 
 
-def _set_launcher_environment(layout: ProcessLayout) -> None:
-    """What vLLM's external launcher reads. A single process has no launcher: its group is vLLM's own, formed on
-    a free loopback port unless MASTER_ADDR/MASTER_PORT name one."""
+# What vLLM's external launcher reads, and what it writes itself (it turns its engine-core subprocess off).
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "VLLM_ENABLE_V1_MULTIPROCESSING")
+
+
+@contextmanager
+def launcher_environment(layout: ProcessLayout):
+    """RANK / LOCAL_RANK / WORLD_SIZE for vLLM's external launcher while the engine is built, and the environment
+    as it was afterwards: a process this one starts later (a vLLM server, a judge) must not inherit a rank, a
+    rendezvous port held by this engine's group, or vLLM's in-process switch. A single process has no launcher:
+    its group is vLLM's own, on a free loopback port unless MASTER_ADDR/MASTER_PORT name one."""
+    before = {k: os.environ.get(k) for k in LAUNCHER_VARIABLES}
     os.environ.update(RANK=str(layout.rank), LOCAL_RANK=str(layout.local_rank), WORLD_SIZE=str(layout.world_size))
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -76,6 +84,14 @@ def _set_launcher_environment(layout: ProcessLayout) -> None:
             with socket.socket() as probe:
                 probe.bind(("127.0.0.1", 0))
                 os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 class VLLMColocateBackend:
@@ -92,21 +108,21 @@ class VLLMColocateBackend:
         self.sleep_mode, self.asleep, self.weights_discarded = sleep_mode, False, False
         self.eos_ids = list(params.eos_token_ids or (tokenizer.eos_token_id,))
         self.tp_group = tensor_parallel_group(layout, tensor_parallel_size)
-        _set_launcher_environment(layout)
         # vLLM refuses a max_model_len beyond the model's positions; the trainer's prompt budget already fits them.
         max_len = (params.max_prompt_length or position_limit or 2048) + params.max_completion_length
         if position_limit is not None:
             max_len = min(max_len, position_limit)
-        self.llm = vllm.LLM(model=model_path, gpu_memory_utilization=gpu_memory_utilization,
-                            tensor_parallel_size=tensor_parallel_size, dtype=dtype, max_model_len=max_len,
-                            distributed_executor_backend="external_launcher",
-                            # one seed per tensor-parallel group: its ranks must draw the same samples
-                            seed=seed + layout.rank // tensor_parallel_size,
-                            max_num_batched_tokens=max(MAX_NUM_BATCHED_TOKENS, max_len),
-                            enable_prefix_caching=True,
-                            # The sampled token's log-prob after temperature (and vLLM's other processors), the
-                            # distribution it was drawn from; raw_logprobs (the default) would be at temperature 1.
-                            logprobs_mode="processed_logprobs", enable_sleep_mode=sleep_mode)
+        with launcher_environment(layout):
+            self.llm = vllm.LLM(model=model_path, gpu_memory_utilization=gpu_memory_utilization,
+                                tensor_parallel_size=tensor_parallel_size, dtype=dtype, max_model_len=max_len,
+                                distributed_executor_backend="external_launcher",
+                                # one seed per tensor-parallel group: its ranks must draw the same samples
+                                seed=seed + layout.rank // tensor_parallel_size,
+                                max_num_batched_tokens=max(MAX_NUM_BATCHED_TOKENS, max_len),
+                                enable_prefix_caching=True,
+                                # The sampled token's log-prob after temperature (and vLLM's other processors), the
+                                # distribution it was drawn from; raw_logprobs (the default) would be at temperature 1.
+                                logprobs_mode="processed_logprobs", enable_sleep_mode=sleep_mode)
 
     def _sampling_params(self, n: int):
         p = self.params

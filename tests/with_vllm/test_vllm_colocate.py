@@ -5,6 +5,7 @@ of the sampled tokens against the trainer's (the mismatch metrics and importance
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ from rloo_engine.generation_vllm import VLLMColocateBackend
 from rloo_engine.rollout import batched_token_logps
 from rloo_engine.testing import tiny_models
 from tests.engine.helpers import repo_pythonpath
-from tests.with_vllm.environment import user_environment
+from tests.with_vllm.environment import AT_START, user_environment
 
 PROMPTS = ["the cat sat on", "a big red fox jumps over the"]
 NEW_TOKENS = 8
@@ -48,6 +49,15 @@ def hf_greedy(model, tok, prompt: str) -> list[int]:
 def vllm_completions(backend, tok, n: int = 1) -> list[list[int]]:
     rollout = backend.generate(PROMPTS, n)
     return [row[mask.bool()].tolist() for row, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+
+
+def test_building_an_engine_leaves_the_process_environment_as_it_was(greedy):
+    """The engine needs RANK / LOCAL_RANK / WORLD_SIZE / MASTER_* (and vLLM sets its in-process switch) while it is
+    built; left behind, a vLLM server this process starts later inherited a rank and this engine's rendezvous port,
+    and its engine core failed (HTTP 500 on the first request)."""
+    from rloo_engine.generation_vllm import LAUNCHER_VARIABLES
+
+    assert {k: os.environ.get(k) for k in LAUNCHER_VARIABLES} == {k: AT_START.get(k) for k in LAUNCHER_VARIABLES}
 
 
 def test_max_model_len_is_capped_at_the_model_positions(greedy):
