@@ -69,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def train_command(assets, out: Path, url: str, seed: int, steps: int, extra: list[str]) -> list[str]:
     from rloo_engine.demo.settings import DEMO_TRAIN
-    from rloo_engine.testing.vllm_server import free_port
+    from rloo_engine.services import free_port
 
     options = {**DEMO_TRAIN, "max_steps": steps, "seed": seed, "log_completions": False, "disable_tqdm": True,
                "model_name_or_path": str(assets.sft_dir), "reward_model_name_or_path": str(assets.reward_model_dir),

@@ -36,7 +36,8 @@ for _var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID"):  # a benchmark run is not 
 import torch
 
 from rloo_engine.config import RLOOConfig
-from rloo_engine.generation import HFGenerationBackend, SamplingParams
+from rloo_engine.generation.base import SamplingParams
+from rloo_engine.generation.hf import HFGenerationBackend
 from rloo_engine.testing.tiny_models import build_causal_lm, train_tokenizer
 
 PHASES = ("generation", "reward", "reference", "policy_update")

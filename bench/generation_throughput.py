@@ -81,9 +81,10 @@ def run_case(vocab: int, hidden: int, args) -> dict:
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rloo_engine.generation import HFGenerationBackend, SamplingParams
-    from rloo_engine.generation_vllm import VLLMColocateBackend
-    from rloo_engine.generation_vllm_server import VLLMServerBackend
+    from rloo_engine.generation.base import SamplingParams
+    from rloo_engine.generation.hf import HFGenerationBackend
+    from rloo_engine.generation.vllm_colocate import VLLMColocateBackend
+    from rloo_engine.generation.vllm_server import VLLMServerBackend
     from rloo_engine.testing.vllm_server import Server
 
     root = Path(tempfile.mkdtemp(prefix="genbench-"))

@@ -1,3 +1,8 @@
 """rloo_engine: RLOO training and LLM-judge evaluation for language models (no Prefect imports)."""
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("rloo-pipeline")
+except PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+    __version__ = "unknown"

@@ -124,7 +124,7 @@ def main_help() -> str:
 
 def outputs_report(result, cfg: RLOOConfig) -> str:
     """Where a finished `train` wrote its outputs: final model, metrics, checkpoints, the MLflow run."""
-    from rloo_engine.checkpoint import checkpoint_dirs
+    from rloo_engine.run.checkpoint import checkpoint_dirs
 
     out = Path(cfg.output_dir)
     checkpoints = checkpoint_dirs(out)
@@ -152,7 +152,7 @@ def _start_train_process(cfg: RLOOConfig) -> None:
     """Before torch is even imported: die with the launcher if asked, and (rank 0) take the output_dir lock,
     so a second run into the same directory is refused in about a second, not after its models load."""
     from rloo_engine.lifetime import die_with_parent_if_asked
-    from rloo_engine.run_lock import acquire_run_lock
+    from rloo_engine.run.lock import acquire_run_lock
 
     die_with_parent_if_asked()
     if int(os.environ.get("RANK", "0")) == 0:
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return evaluate_main(rest)
         if command == "vllm-serve":
-            from rloo_engine.vllm_serve import main as vllm_serve_main
+            from rloo_engine.generation.vllm_serve import main as vllm_serve_main
 
             return vllm_serve_main(rest)
         from rloo_engine.testing.tiny_models import tiny_assets_main
@@ -214,9 +214,9 @@ def _failure_exit_code(err: Exception) -> int | None:
     """The exit code of a failure whose message says what to do (so one line, no traceback), or None."""
     import errno
 
-    from rloo_engine.checkpoint import CheckpointWriteError
+    from rloo_engine.generation.vllm_client import VLLMServerError
     from rloo_engine.reward_sources import RewardError
-    from rloo_engine.vllm_server_client import VLLMServerError
+    from rloo_engine.run.checkpoint import CheckpointWriteError
 
     if isinstance(err, RewardError):
         return exit_codes.REWARD_ERROR

@@ -6,6 +6,7 @@ descriptions (`python scripts/config_reference.py`; a test fails when it is stal
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -171,7 +172,7 @@ class RLOOConfig(StrictModel):
     )
     fused_decode: bool = F(
         True,
-        "Decode with the engine's own loop for float32 Qwen2- and Llama-shaped models (`rloo_engine/fused_decode.py`): "
+        "Decode with the engine's own loop for float32 Qwen2- and Llama-shaped models (`rloo_engine/generation/fused_decode.py`): "
         "q/k/v and gate/up packed into one matmul each, ~15 tensor ops a layer per token instead of transformers' "
         "~50, the same sampling, stopping and recorded log-probs as HF `generate` (the same tokens up to float32 "
         "rounding). It pays where per-op overhead dominates a decode step: on 2 CPU cores a generation call took "
@@ -508,6 +509,14 @@ class RLOOConfig(StrictModel):
     def effective_steps_per_generation(self) -> int:
         """Micro-batches per generation batch when `generation_batch_size` is not set."""
         return self.steps_per_generation or self.gradient_accumulation_steps
+
+    def total_steps_for(self, dataset_size: int, num_processes: int) -> int:
+        """Optimizer steps of the run: `max_steps`, else `num_train_epochs` over a dataset of `dataset_size` prompts."""
+        if self.max_steps > 0:
+            return self.max_steps
+        prompts_per_step = (self.per_device_train_batch_size * self.gradient_accumulation_steps * num_processes
+                            / self.num_generations / self.num_iterations)
+        return max(1, math.ceil(self.num_train_epochs * dataset_size / prompts_per_step))
 
     def steps_per_generation_for(self, num_processes: int) -> int:
         """Micro-batches per generation batch on each process, for a run with `num_processes`."""

@@ -1,4 +1,5 @@
-"""Metric sinks: `output_dir/metrics.jsonl` always, MLflow when configured; rank 0 only.
+"""Metric sinks: `output_dir/metrics.jsonl` always, MLflow when configured; rank 0 only. And the reduction of a
+logging window's values over its micro-batches and the processes (`window_values`, `reduce_window`).
 
 MLflow is used through `MlflowClient` against an explicit run id, never the fluent active run:
 the launching task owns the run's lifecycle (FINISHED / FAILED / KILLED), the engine only logs.
@@ -25,6 +26,51 @@ from pathlib import Path
 from typing import Any
 
 RUN_FILE = "mlflow_run.json"
+
+# Metrics that are extremes over the logging window and the processes, not means of per-micro-batch extremes.
+EXTREMES = {"vllm/logprob_diff_max": max, "sampling/importance_sampling_ratio/max": max,
+            "sampling/importance_sampling_ratio/min": min}
+# Per-process extremes TRL also logs beside the mean over processes: metric -> (name logged, reduction).
+PROCESS_EXTREMES = {"completions/min_length": ("completions/min_length", min),
+                    "completions/min_terminated_length": ("completions/min_terminated_length", min),
+                    "clip_ratio/low": ("clip_ratio/low_min", min),
+                    "completions/max_length": ("completions/max_length", max),
+                    "completions/max_terminated_length": ("completions/max_terminated_length", max),
+                    "clip_ratio/high": ("clip_ratio/high_max", max)}
+
+
+def nanmean(values: list[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return sum(finite) / len(finite) if finite else float("nan")
+
+
+def window_value(name: str, values: list[float]) -> float:
+    """One process's value of `name` over a logging window: the mean, or the extreme for `EXTREMES` (NaN ignored)."""
+    if name not in EXTREMES:
+        return nanmean(values)
+    finite = [v for v in values if not math.isnan(v)]
+    return EXTREMES[name](finite) if finite else float("nan")
+
+
+def window_values(window: dict[str, list[float]]) -> tuple[list[str], list[float]]:
+    """(sorted names, this process's value of each): what every process contributes to `reduce_window`."""
+    names = sorted(window)
+    return names, [window_value(k, window[k]) for k in names]
+
+
+def reduce_window(names: list[str], everyone: list[list[float]]) -> dict[str, float]:
+    """The logged metrics from every process's `window_values` (`everyone`: one row per process): the mean over
+    processes (NaN ignored), extremes for `EXTREMES`, TRL's per-process min/max beside the means, and the clip
+    fractions under TRL's `clip_ratio/*_mean` names."""
+    columns = {k: [row[i] for row in everyone] for i, k in enumerate(names)}
+    metrics = {k: window_value(k, v) if k in EXTREMES else nanmean(v) for k, v in columns.items()}
+    for k, (logged, extreme) in PROCESS_EXTREMES.items():
+        if k in columns:
+            metrics[logged] = extreme(columns[k])
+    for k in ("low", "high", "region"):
+        if f"clip_ratio/{k}" in metrics:
+            metrics[f"clip_ratio/{k}_mean"] = metrics.pop(f"clip_ratio/{k}")
+    return metrics
 STEP_MARKER = "epoch"  # logged at every logging step: its history says which steps MLflow already has
 
 
@@ -129,6 +175,27 @@ class MetricsLogger:
         if rows:
             columns = {k: [r.get(k) for r in rows] for k in rows[0]}
             self.client.log_table(self.run_id, columns, artifact_file)
+
+    def log_completions(self, step: int, samples: list[dict], num_to_print: int) -> None:
+        """Appends this step's samples to `completions.jsonl` and prints the first `num_to_print` (as TRL prints)."""
+        from tqdm.auto import tqdm
+
+        rows = [{"step": step, **r} for r in samples]
+        with (self.path.parent / "completions.jsonl").open("a") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in rows)
+        for r in rows[:num_to_print]:
+            tqdm.write(f"[step {r['step']}] reward={r['reward']:+.3f} adv={r['advantage']:+.3f} "
+                       f"{r['prompt'][-60:]!r} -> {r['completion'][:120]!r}")
+
+    def finish_run(self) -> None:
+        """The end of a finished run: its config, metrics and completions as artifacts, then the run FINISHED."""
+        if not self.enabled:
+            return
+        out = self.path.parent
+        for name in ("config.yaml", "metrics.jsonl", "completions.jsonl"):
+            self.log_artifact(out / name)
+        self.log_table(out / "completions.jsonl", "completions.json")
+        self.finish()
 
     def finish(self, status: str = "FINISHED") -> None:
         """Ends the run only if the engine created it; a run handed in via MLFLOW_RUN_ID stays open."""

@@ -11,6 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from rloo_engine.config import RLOOConfig
 from rloo_engine.config_base import ConfigError
 
+# `dtype` (train.dtype) to what from_pretrained takes: the one table the policy, reference, reward model and the
+# pipeline's reward check load with.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 

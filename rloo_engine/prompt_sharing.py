@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from rloo_engine.kv_cache import cache_keyword
+from rloo_engine.generation.kv_cache import cache_keyword
 
 
 def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

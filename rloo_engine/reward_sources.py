@@ -18,7 +18,9 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from rloo_engine.config import RLOOConfig
 from rloo_engine.config_base import ConfigError
 from rloo_engine.data import completion_text, is_conversational
+from rloo_engine.fast_path import FLOAT32_TOLERANCE, HALF_PRECISION_TOLERANCE, fast_path_holds, stderr
 from rloo_engine.import_paths import load_callable
+from rloo_engine.models import DTYPES
 from rloo_engine.prompt_sharing import common_prefix_length, shared_prefix_scores
 
 
@@ -63,6 +65,7 @@ class RewardModelSource:
         batch_size: int = 16,
         max_length: int = 1024,
         share_prompts: bool = True,
+        say=stderr,
     ):
         num_labels = _load_or_raise(path_or_id, lambda: AutoConfig.from_pretrained(path_or_id)).num_labels
         if num_labels != 1:
@@ -85,7 +88,9 @@ class RewardModelSource:
         self.model.to(self.device).eval()
         # A decoder reward model scores a group's common prompt tokens once (prompt_sharing.py), where it can
         # be checked to give the whole rows' scores; encoders (RoBERTa) and other heads score rows whole.
-        self.share_prompts = share_prompts and self._sharing_reproduces()
+        tolerance = FLOAT32_TOLERANCE if self.model.dtype == torch.float32 else HALF_PRECISION_TOLERANCE
+        self.share_prompts = share_prompts and fast_path_holds(
+            "share_prompt_forward (reward model)", self._sharing_difference, tolerance, "scoring every row whole", say)
 
     def text(self, prompt: str | list[dict], completion: str | list[dict]) -> str:
         """The string the reward model judges: prompt + completion, or the full chat with the reply."""
@@ -141,19 +146,17 @@ class RewardModelSource:
                 batch = []
         return scores
 
-    def _sharing_reproduces(self) -> bool:
-        """Scores of a fixed probe (two prompts, two continuations each) agree between the two paths."""
+    def _sharing_difference(self) -> float | str:
+        """Largest |score difference| between the shared-prefix and the plain path on a fixed probe (two prompts, two
+        continuations each), or why sharing cannot run this model."""
         vocab = self.model.config.vocab_size
         rows = [[(7919 * i + 13 * j) % vocab for i in range(8 + j % 2)] for j in (0, 0, 1, 1)]
         for j in (1, 3):
             rows[j][6:] = [(rows[j][k] + 1) % vocab for k in range(6, len(rows[j]))]  # same prompt, other reply
-        try:
-            shared = shared_prefix_scores(self.model, self.tokenizer.pad_token_id, rows, [range(0, 2), range(2, 4)])
-        except (TypeError, ValueError, RuntimeError, AttributeError, IndexError):
-            return False  # no KV cache to share (an encoder), or another head
-        plain = torch.tensor(self._score_batch(rows))
-        tolerance = 1e-4 if self.model.dtype == torch.float32 else 5e-2
-        return shared is not None and bool((shared.cpu() - plain).abs().max() <= tolerance)
+        shared = shared_prefix_scores(self.model, self.tokenizer.pad_token_id, rows, [range(0, 2), range(2, 4)])
+        if shared is None:
+            return "the model has no prompt cache to share (an encoder, or another head)"
+        return (shared.cpu() - torch.tensor(self._score_batch(rows))).abs().max().item()
 
     @torch.inference_mode()
     def _score_batch(self, ids: list[list[int]]) -> list[float]:
@@ -420,14 +423,11 @@ class EmptySourceWatch:
 # ---------------------------------------------------------------- from the config
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
-
-
-def build_reward_sources(cfg: RLOOConfig, device: str | torch.device) -> list[RewardSource]:
+def build_reward_sources(cfg: RLOOConfig, device: str | torch.device, say=stderr) -> list[RewardSource]:
     """The reward model first (if configured), then each of `reward_funcs`, matching `reward_weights`."""
     sources: list[RewardSource] = []
     if cfg.reward_model_name_or_path:
-        sources.append(RewardModelSource(cfg.reward_model_name_or_path, device=device, dtype=_DTYPES[cfg.dtype],
-                                         share_prompts=cfg.share_prompt_forward))
+        sources.append(RewardModelSource(cfg.reward_model_name_or_path, device=device, dtype=DTYPES[cfg.dtype],
+                                         share_prompts=cfg.share_prompt_forward, say=say))
     sources.extend(load_reward_function(path) for path in cfg.reward_funcs)
     return sources

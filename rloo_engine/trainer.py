@@ -6,7 +6,6 @@ each process samples its own prompts, so the leave-one-out baseline needs no com
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -14,22 +13,18 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from accelerate.utils import DistributedType, set_seed
-from tqdm.auto import tqdm
+from accelerate.utils import set_seed
 from transformers import get_scheduler
 
 from rloo_engine import algorithm as A
-from rloo_engine import checkpoint as ckpt
+from rloo_engine.batch import GenerationBatch, generation_metrics
 from rloo_engine.config import RLOOConfig, save_config
-from rloo_engine.config_base import ConfigError
 from rloo_engine.data import (
     PromptSampler,
     as_assistant_messages,
     extra_columns,
-    is_conversational,
     load_prompt_dataset,
     render_prompt,
 )
@@ -42,15 +37,18 @@ from rloo_engine.distributed import (
     outside_zero_init,
     prepare_frozen_model,
 )
-from rloo_engine.fault_injection import crash, crash_step, maybe_kill
-from rloo_engine.generation import (
-    GenerationBackend,
-    HFGenerationBackend,
-    Rollout,
-    SamplingParams,
-    logit_processors_in_use,
+from rloo_engine.fast_path import fast_path_holds, is_half_precision, tolerance_for
+from rloo_engine.generation.base import GenerationBackend, SamplingParams
+from rloo_engine.generation.factory import build_backend
+from rloo_engine.generation.hf import record_decoding_logprobs
+from rloo_engine.logprobs import (
+    batched_token_logps,
+    batched_truncated_token_logps,
+    chunked_head_difference,
+    completion_token_logps,
+    shared_prompt_difference,
 )
-from rloo_engine.metrics import MetricsLogger
+from rloo_engine.metrics import MetricsLogger, reduce_window, window_values
 from rloo_engine.models import (
     eos_token_ids,
     load_policy,
@@ -60,33 +58,13 @@ from rloo_engine.models import (
     sync_reference,
 )
 from rloo_engine.progress import progress_bar
+from rloo_engine.prompt_feed import PromptFeed
 from rloo_engine.reward_sources import EmptySourceWatch, RewardModelSource, build_reward_sources, compute_rewards
-from rloo_engine.rollout import (
-    GenerationBatch,
-    batched_token_logps,
-    batched_truncated_token_logps,
-    chunked_head_difference,
-    completion_length_metrics,
-    completion_token_logps,
-    group_reward_std,
-    shared_prompt_difference,
-)
-from rloo_engine.run_continuity import check_start, clear_previous_outputs, config_snapshot
-from rloo_engine.run_lock import acquire_run_lock
-from rloo_engine.shared_output_dir import check_output_dir_shared
-from rloo_engine.train_preflight import check_before_loading, model_position_limit, prompt_token_budget
-
-
-@dataclass
-class PromptDraw:
-    """One generation batch's prompts, drawn before they are generated (with `async_generation`, a batch ahead)."""
-
-    rows: list[dict]
-    rendered: list[str]
-    conversational: bool
-    weights_step: int  # the optimizer step whose weights generate it
-    sampler_state: dict  # the prompt sampler before this draw, for a checkpoint taken while it is in flight
-    request: Any = None  # the server request `submit` sent (async_generation); None: generated when collected
+from rloo_engine.run import checkpoint as ckpt
+from rloo_engine.run.claim import claim_output_dir
+from rloo_engine.run.continuity import config_snapshot
+from rloo_engine.run.fault_injection import crash, crash_step, maybe_kill
+from rloo_engine.run.preflight import model_position_limit, prompt_token_budget
 
 
 @dataclass
@@ -103,17 +81,7 @@ class RLOOTrainer:
         self.cfg = cfg
         self.acc = build_accelerator(cfg)
         # Before anything loads: reward imports, tokenizer sizes, output_dir, this run's lock, the checkpoint.
-        check_before_loading(cfg)
-        self.run_lock = acquire_run_lock(cfg.output_dir) if self.acc.is_main_process else None
-        check_output_dir_shared(self.acc, cfg.output_dir)  # checkpoints need one filesystem across nodes
-        self.resume_path = ckpt.resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir, self.acc.num_processes,
-                                               self.acc.distributed_type == DistributedType.DEEPSPEED,
-                                               report=self.acc.is_main_process)
-        check_start(cfg, self.resume_path, report=self.acc.is_main_process)  # never overwrite or mix another run
-        if cfg.overwrite_output_dir and self.acc.is_main_process:
-            if removed := clear_previous_outputs(Path(cfg.output_dir)):
-                print(f"rloo-engine: overwrite_output_dir: removed {', '.join(removed)} from {cfg.output_dir}",
-                      file=sys.stderr)
+        self.run_lock, self.resume_path = claim_output_dir(cfg, self.acc)
         self.steps_per_generation = cfg.steps_per_generation_for(self.acc.num_processes)
         self.on_policy = cfg.num_iterations == 1 and cfg.gradient_accumulation_steps % self.steps_per_generation == 0
         set_seed(cfg.seed)
@@ -127,7 +95,7 @@ class RLOOTrainer:
             print(f"rloo-engine: max_prompt_length {cfg.max_prompt_length or 'unlimited'} + max_completion_length "
                   f"{cfg.max_completion_length} exceeds the model's {self.position_limit} positions; prompts keep "
                   f"their last {self.prompt_budget} tokens", file=sys.stderr)
-        self.reward_sources = build_reward_sources(cfg, self.acc.device)
+        self.reward_sources = build_reward_sources(cfg, self.acc.device, say=self._say)
         self.reward_watch = EmptySourceWatch(self.reward_sources, cfg.reward_source_max_empty_steps)
         self.policy = load_policy(cfg)
         self.ref = load_reference(cfg)
@@ -139,7 +107,7 @@ class RLOOTrainer:
             params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
             fused=fused,
         )
-        self.total_steps = self._total_steps()
+        self.total_steps = cfg.total_steps_for(len(self.dataset), self.acc.num_processes)
         warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * self.total_steps)
         # Not passed to accelerate.prepare: its wrapper steps num_processes times per call.
         self.scheduler = get_scheduler(cfg.lr_scheduler_type, self.optimizer, warmup, self.total_steps)
@@ -158,13 +126,16 @@ class RLOOTrainer:
         self.backend = backend or self._default_backend()
         self.sampler = PromptSampler(len(self.dataset), cfg.seed, cfg.shuffle_dataset,
                                      self.acc.process_index, self.acc.num_processes)
+        self.feed = PromptFeed(self.dataset, self.sampler,
+                               lambda prompt: render_prompt(self.tokenizer, prompt, cfg.chat_template_kwargs),
+                               cfg.per_device_train_batch_size * self.steps_per_generation // cfg.num_generations,
+                               cfg.num_generations, self.backend, submit_ahead=cfg.async_generation)
         self.logger = MetricsLogger(cfg.output_dir, self.acc.is_main_process, cfg.run_name,
                                     {f"train.{k}": v for k, v in cfg.model_dump().items()},
                                     continue_run=bool(cfg.resume_from_checkpoint))
         self.global_step = 0
         self.synced_step = -1  # optimizer step whose weights the generation backend holds
         self.batch: GenerationBatch | None = None
-        self.in_flight: PromptDraw | None = None  # async_generation: the next batch, generating on the server
         self.cursor = 0  # micro-batches of `self.batch` consumed, over all its iterations
         self.window: dict[str, list[float]] = defaultdict(list)
         self.last_samples: list[dict] = []
@@ -177,33 +148,11 @@ class RLOOTrainer:
                               tuple(self.model_eos_ids))
 
     def _default_backend(self) -> GenerationBackend:
-        c = self.cfg
-        if c.use_vllm and c.vllm_mode == "server":
-            from rloo_engine.generation_vllm_server import VLLMServerBackend
-
-            return VLLMServerBackend(c.vllm_server_url, self.tokenizer, self._sampling_params(), self.acc,
-                                     c.vllm_server_timeout, c.vllm_group_port, c.seed)
-        if c.use_vllm:
-            from rloo_engine.generation_vllm import ProcessLayout, VLLMColocateBackend
-
-            layout = ProcessLayout(self.acc.process_index, self.acc.local_process_index, self.acc.num_processes)
-            backend = VLLMColocateBackend(c.model_name_or_path, self.tokenizer, self._sampling_params(),
-                                          c.vllm_gpu_memory_utilization, c.vllm_tensor_parallel_size, c.seed,
-                                          c.dtype, position_limit=self.position_limit,
-                                          sleep_mode=c.vllm_enable_sleep_mode, layout=layout)
-            self.acc.wait_for_everyone()  # every rank's engine is up before the first collective of training
-            return backend
-        return HFGenerationBackend(lambda: self.acc.unwrap_model(self.policy), self.tokenizer, self._sampling_params(),
-                                   gather=lambda: full_weights_for_generation(self.acc, self.policy),
-                                   record_logps=self._record_decoding_logprobs(), fused_decode=c.fused_decode,
-                                   say=self._say)
-
-    def _vllm_truncation(self) -> dict | None:
-        """The truncation vLLM samples under (top_k, top_p, min_p), or None when it samples the full softmax."""
-        c = self.cfg
-        if not (c.top_k or c.top_p < 1.0 or c.min_p):
-            return None
-        return {"top_k": c.top_k, "top_p": c.top_p, "min_p": c.min_p}
+        return build_backend(self.cfg, self.tokenizer, self._sampling_params(), self.acc,
+                             policy_getter=lambda: self.acc.unwrap_model(self.policy),
+                             gather=lambda: full_weights_for_generation(self.acc, self.policy),
+                             record_logps=record_decoding_logprobs(self.cfg, self.acc.unwrap_model(self.policy)), position_limit=self.position_limit,
+                             say=self._say)
 
     def _say(self, message: str) -> None:
         """A start-up note on stderr, from the main process only."""
@@ -212,56 +161,22 @@ class RLOOTrainer:
 
     def _chunked_head_reproduces(self) -> bool:
         """Whether `chunked_logprobs` can run: the chunked head gives the model's own log-probs on a probe batch."""
-        difference = chunked_head_difference(self.policy, self.acc.autocast)
-        half = self.acc.mixed_precision in ("bf16", "fp16") or self.cfg.dtype in ("bfloat16", "float16")
-        tolerance = 2e-2 if half else 1e-4  # rounding of one head matmul; a logit transform is far above it
-        if difference is not None and difference <= tolerance:
-            return True
-        if self.acc.is_main_process:
-            why = ("its LM head is not a plain Linear the chunked path can run (LoRA on lm_head, ZeRO-3, a listed "
-                   "logit transform)" if difference is None else
-                   f"on a probe batch it is up to {difference:.3g} away from the model's own log-probs (a transform "
-                   "of the logits after the head?)")
-            print(f"rloo-engine: chunked_logprobs: {why}; using the full logits", file=sys.stderr)
-        return False
+        def measure() -> float | str:
+            difference = chunked_head_difference(self.policy, self.acc.autocast)
+            return ("its LM head is not a plain Linear the chunked path can run (LoRA on lm_head, ZeRO-3, a listed "
+                    "logit transform)") if difference is None else difference
+
+        return fast_path_holds("chunked_logprobs", measure, self._probe_tolerance(), "using the full logits",
+                               self._say)
 
     def _shared_prompt_forward_reproduces(self) -> bool:
         """Whether `share_prompt_forward` can run: it gives the plain forward's log-probs on a probe batch."""
-        try:
-            difference = shared_prompt_difference(self.policy, len(self.tokenizer), self.acc.autocast)
-        except (TypeError, ValueError, RuntimeError, AttributeError, IndexError) as err:  # a cache it cannot index
-            difference, why = None, f"{type(err).__name__}: {err}"
-        half = self.acc.mixed_precision in ("bf16", "fp16") or self.cfg.dtype in ("bfloat16", "float16")
-        if difference is not None and difference <= (5e-2 if half else 1e-4):  # other matmul shapes, same function
-            return True
-        if difference is not None:
-            why = f"on a probe batch it is up to {difference:.3g} away from the plain forward's log-probs"
-        if self.acc.is_main_process:
-            print(f"rloo-engine: share_prompt_forward: {why}; running every row's prompt", file=sys.stderr)
-        return False
+        return fast_path_holds("share_prompt_forward",
+                               lambda: shared_prompt_difference(self.policy, len(self.tokenizer), self.acc.autocast),
+                               self._probe_tolerance(), "running every row's prompt", self._say)
 
-    def _record_decoding_logprobs(self) -> bool:
-        """Whether the sampling policy's log-probs come from decoding (`sampling_logprobs`). Processors such as
-        min_new_tokens or suppress_tokens change the logits the tokens were drawn from, and the training forward
-        cannot see them: `auto` then uses a forward pass, and an explicit `generation` is refused."""
-        c = self.cfg
-        if not c.logprobs_from_generation:
-            return False
-        used = logit_processors_in_use(self.acc.unwrap_model(self.policy).generation_config, c.generation_kwargs)
-        if used and c.sampling_logprobs == "generation":
-            raise ConfigError(
-                f"sampling_logprobs: 'generation' with logits processors {', '.join(used)}: decoding log-probs would "
-                "include them and the training forward does not, so KL and the first ratio would be wrong; use "
-                "'auto' or 'forward'"
-            )
-        return not used
-
-    def _total_steps(self) -> int:
-        if self.cfg.max_steps > 0:
-            return self.cfg.max_steps
-        prompts_per_step = (self.cfg.per_device_train_batch_size * self.cfg.gradient_accumulation_steps
-                            * self.acc.num_processes) / self.cfg.num_generations / self.cfg.num_iterations
-        return max(1, math.ceil(self.cfg.num_train_epochs * len(self.dataset) / prompts_per_step))
+    def _probe_tolerance(self) -> float:
+        return tolerance_for(is_half_precision(self.acc.mixed_precision, self.cfg.dtype))
 
     @contextmanager
     def _timed(self, name: str):
@@ -274,28 +189,11 @@ class RLOOTrainer:
         self.window[f"timing/{name}_s"].append(time.perf_counter() - start)
 
     # ------------------------------------------------------------------ one generation batch
-    def _draw_prompts(self) -> PromptDraw:
-        """The next batch's prompts, generated from this step's weights: sent to the server at once with
-        `async_generation`, else generated when `_rollout` asks."""
+    def _generation_weights(self) -> int:
+        """The step whose weights generate the next batch: this one, given to the backend first if it has others."""
         if self.synced_step != self.global_step:  # e.g. a vLLM backend holds its own weights
             self._sync_backend()
-        c = self.cfg
-        before = self.sampler.state_dict()
-        num_prompts = c.per_device_train_batch_size * self.steps_per_generation // c.num_generations
-        rows = [self.dataset[i] for i in self.sampler.next_indices(num_prompts)]
-        rendered = [render_prompt(self.tokenizer, r["prompt"], c.chat_template_kwargs) for r in rows]
-        draw = PromptDraw(rows, rendered, is_conversational(rows[0]["prompt"]), self.global_step, before)
-        if c.async_generation:
-            # A chat template writes its own special tokens (BOS); plain prompts get the tokenizer's.
-            draw.request = self.backend.submit(rendered, c.num_generations, add_special_tokens=not draw.conversational)
-        return draw
-
-    def _rollout(self, draw: PromptDraw) -> Rollout:
-        with self._timed("generation"):  # with async_generation: the wait for the server
-            if draw.request is not None:
-                return self.backend.collect(draw.request)
-            return self.backend.generate(draw.rendered, self.cfg.num_generations,
-                                         add_special_tokens=not draw.conversational)
+        return self.global_step
 
     def _prefetches(self, micro_per_batch: int) -> bool:
         """Whether the server should generate the batch after the next one while the trainer updates: only
@@ -310,10 +208,11 @@ class RLOOTrainer:
         """Generates G completions for each prompt of a batch (the one in flight, else a new draw), scores them
         and computes advantages. `prefetch_next`: first send the next batch's prompts to the server."""
         c, G = self.cfg, self.cfg.num_generations
-        draw, self.in_flight = self.in_flight or self._draw_prompts(), None
-        rollout = self._rollout(draw)
+        draw = self.feed.take(self._generation_weights)
+        with self._timed("generation"):  # with async_generation: the wait for the server
+            rollout = self.feed.rollout(draw)
         if prefetch_next:
-            self.in_flight = self._draw_prompts()  # it generates while this batch is scored and trained on
+            self.feed.prefetch(self._generation_weights)  # it generates while this batch is scored and trained on
         if c.async_generation:
             self.window["async/staleness"].append(float(self.global_step - draw.weights_step))
         rows, rendered, conversational = draw.rows, draw.rendered, draw.conversational
@@ -340,7 +239,7 @@ class RLOOTrainer:
         # detached), and `loss` compares the two. HF's decoding log-probs are the trainer's own, so they may be.
         generator_logps = rollout.generator_logps
         recorded_logps = rollout.sampling_logps if generator_logps is None else None
-        truncation = self._vllm_truncation() if generator_logps is not None else None
+        truncation = self._sampling_params().truncation() if generator_logps is not None else None
         with self._timed("reference"):
             if c.beta > 0 or not self.on_policy or truncation:
                 self.policy.eval()  # sampling-policy and reference log-probs, without dropout noise
@@ -369,9 +268,8 @@ class RLOOTrainer:
                             ref_logps = batched_token_logps(self.ref or self.policy, input_ids, attention_mask, P,
                                                             c.temperature, c.per_device_train_batch_size,
                                                             self.chunked_logprobs, self.share_prompts)
-                        token_kl = (old_logps - ref_logps) * mask
-                        kl = token_kl.sum(-1)  # (N,) k1 sequence KL: what enters the reward
-                        token_kl_mean = (token_kl.sum() / mask.sum().clamp(min=1)).item()  # TRL's `kl`
+                        kl = A.sequence_kl(old_logps, ref_logps, mask)  # (N,) k1 sequence KL: enters the reward
+                        token_kl_mean = (kl.sum() / mask.sum().clamp(min=1)).item()  # TRL's `kl`: per token
                 finally:
                     self.policy.train()
 
@@ -385,7 +283,8 @@ class RLOOTrainer:
         if c.mask_truncated_completions:
             loss_weights = loss_weights * rollout.terminated.float()
 
-        self._record_generation_metrics(scored, rewards, valid, kl, token_kl_mean, rollout, G)
+        for name, value in generation_metrics(scored, rewards, valid, kl, token_kl_mean, rollout, G).items():
+            self.window[name].append(value)
         self.last_samples = [
             {"prompt": r, "completion": t, "reward": float(rw), "advantage": float(a)}
             for r, t, rw, a in zip([p for p in rendered for _ in range(G)], completions, rewards, advantages)
@@ -395,23 +294,6 @@ class RLOOTrainer:
         return GenerationBatch(input_ids, attention_mask, mask, advantages, loss_weights,
                                None if self.on_policy else old_logps, P, live_per_micro_batch,
                                None if generator_logps is None else generator_logps.to(self.acc.device))
-
-    def _record_generation_metrics(self, scored, rewards, valid, kl, token_kl_mean, rollout, G) -> None:
-        w = self.window
-        w["reward"].append(rewards[valid].mean().item() if valid.any() else float("nan"))
-        w["reward_std"].append(rewards[valid].std().item() if valid.sum() > 1 else 0.0)
-        w["frac_reward_zero_std"].append((group_reward_std(rewards, G) < 1e-6).float().mean().item())
-        w["frac_unscorable"].append((~valid).float().mean().item())
-        w["kl"].append(token_kl_mean)
-        w["sequence_kl"].append(kl.mean().item())
-        w["num_tokens"].append(float(rollout.prompt_mask.sum() + rollout.completion_mask.sum()))
-        for j, name in enumerate(scored.names):
-            col = scored.per_source[:, j]
-            col = col[~torch.isnan(col)]
-            w[f"rewards/{name}/mean"].append(col.mean().item() if col.numel() else float("nan"))
-            w[f"rewards/{name}/std"].append(col.std().item() if col.numel() > 1 else 0.0)
-        for k, v in completion_length_metrics(rollout.completion_mask, rollout.terminated).items():
-            w[k].append(v)
 
     # ------------------------------------------------------------------ the loss of one micro-batch
     def loss(self, mb: dict) -> torch.Tensor:
@@ -534,13 +416,11 @@ class RLOOTrainer:
                 crash(crash_at)
             step_start = time.perf_counter()  # after logging and saving, so they are not billed to the next step
         bar.close()
-        if self.in_flight is not None:  # a batch the run turned out not to need: the server must finish it first
-            self._rollout(self.in_flight)
-            self.in_flight = None
+        self.feed.drain()  # a batch the run turned out not to need: the server must finish it first
         if getattr(self.backend, "serves_after_training", False) and self.synced_step != self.global_step:
             self._sync_backend()  # a server outlives the run: leave it serving the trained policy
         final = ckpt.save_final(self.acc, self.policy, self.tokenizer, out, self._fresh_policy)
-        self._finish_logging(out)
+        self.logger.finish_run()
         return TrainResult(self.global_step, final, self.logger.path, last, self.logger.run_id)
 
     def _sync_backend(self) -> None:
@@ -552,43 +432,20 @@ class RLOOTrainer:
     # ------------------------------------------------------------------ logging, saving, resuming
     def _log(self) -> dict[str, float]:
         """Means over the window since the last log, averaged over processes (rank 0 writes)."""
-        names = sorted(self.window)
-        local = torch.tensor([_window_value(k, self.window[k]) for k in names], device=self.acc.device,
-                             dtype=torch.float64)
-        everyone = self.acc.gather(local.unsqueeze(0))  # (num_processes, K)
-        metrics = dict(zip(names, torch.nanmean(everyone, 0).tolist()))
-        for k in names:
-            if k in _EXTREMES:
-                metrics[k] = _window_value(k, everyone[:, names.index(k)].tolist())
-        for k in ("completions/min_length", "completions/min_terminated_length", "clip_ratio/low"):
-            if k in metrics:
-                metrics[k.replace("clip_ratio/low", "clip_ratio/low_min")] = everyone[:, names.index(k)].min().item()
-        for k in ("completions/max_length", "completions/max_terminated_length", "clip_ratio/high"):
-            if k in metrics:
-                metrics[k.replace("clip_ratio/high", "clip_ratio/high_max")] = everyone[:, names.index(k)].max().item()
-        for k in ("low", "high", "region"):
-            if f"clip_ratio/{k}" in metrics:
-                metrics[f"clip_ratio/{k}_mean"] = metrics.pop(f"clip_ratio/{k}")
+        names, local = window_values(self.window)
+        everyone = self.acc.gather(torch.tensor([local], device=self.acc.device, dtype=torch.float64))
+        metrics = reduce_window(names, everyone.tolist())  # (num_processes, K) -> one value each
         metrics["epoch"] = self.sampler.epoch + self.sampler.state_dict()["position"] / len(self.dataset)
         self.logger.log(self.global_step, metrics)
         if self.cfg.log_completions and self.acc.is_main_process:
-            self._log_completions()
+            self.logger.log_completions(self.global_step, self.last_samples,
+                                        self.cfg.num_completions_to_print or self.cfg.num_generations)
         self.window.clear()
         return metrics
 
-    def _log_completions(self) -> None:
-        n = self.cfg.num_completions_to_print or self.cfg.num_generations
-        rows = [{"step": self.global_step, **r} for r in self.last_samples]
-        with (Path(self.cfg.output_dir) / "completions.jsonl").open("a") as fh:
-            fh.writelines(json.dumps(r) + "\n" for r in rows)
-        for r in rows[:n]:
-            tqdm.write(f"[step {r['step']}] reward={r['reward']:+.3f} adv={r['advantage']:+.3f} "
-                       f"{r['prompt'][-60:]!r} -> {r['completion'][:120]!r}")
-
     def _trainer_state(self) -> dict:
         # A batch still in flight is not saved: a resumed run draws its prompts again.
-        sampler = self.in_flight.sampler_state if self.in_flight is not None else self.sampler.state_dict()
-        return {"global_step": self.global_step, "sampler": sampler, "cursor": self.cursor,
+        return {"global_step": self.global_step, "sampler": self.feed.state_dict(), "cursor": self.cursor,
                 "total_steps": self.total_steps, "num_processes": self.acc.num_processes,
                 "config": config_snapshot(self.cfg)}  # a resume checks it continues the same trajectory
 
@@ -620,32 +477,6 @@ class RLOOTrainer:
         if self.acc.is_main_process:
             print(f"rloo-engine: resumed from {path} at step {self.global_step}", file=sys.stderr)
         return self.global_step
-
-    def _finish_logging(self, out: Path) -> None:
-        if not self.acc.is_main_process:
-            return
-        self.logger.log_artifact(out / "config.yaml")
-        self.logger.log_artifact(out / "metrics.jsonl")
-        self.logger.log_artifact(out / "completions.jsonl")
-        self.logger.log_table(out / "completions.jsonl", "completions.json")
-        self.logger.finish()
-
-
-def _nanmean(values: list[float]) -> float:
-    finite = [v for v in values if not math.isnan(v)]
-    return sum(finite) / len(finite) if finite else float("nan")
-
-
-# Metrics that are extremes over the logging window and the processes, not means of per-micro-batch extremes.
-_EXTREMES = {"vllm/logprob_diff_max": max, "sampling/importance_sampling_ratio/max": max,
-             "sampling/importance_sampling_ratio/min": min}
-
-
-def _window_value(name: str, values: list[float]) -> float:
-    if name not in _EXTREMES:
-        return _nanmean(values)
-    finite = [v for v in values if not math.isnan(v)]
-    return _EXTREMES[name](finite) if finite else float("nan")
 
 
 def train(cfg: RLOOConfig) -> TrainResult:

@@ -36,7 +36,14 @@ fi
 # The project itself, without dependencies, for its `vllm.general_plugins` entry point: vLLM's engine-core process
 # registers the CPU weight-transfer engine `rloo_gloo` from it. Here, not in --install-only: that runs beside the
 # main setup, whose editable install of this checkout would race this one.
-if ! "$venv/bin/python" -c "from importlib.metadata import entry_points as e; exit('rloo_gloo' not in e(group='vllm.general_plugins').names)"; then
+# Reinstalled when the entry point's target moved (an editable install keeps the old one in its metadata).
+if ! "$venv/bin/python" - <<'PY'
+import sys, tomllib
+from importlib.metadata import entry_points
+want = tomllib.load(open("pyproject.toml", "rb"))["project"]["entry-points"]["vllm.general_plugins"]["rloo_gloo"]
+sys.exit([e.value for e in entry_points(group="vllm.general_plugins") if e.name == "rloo_gloo"] != [want])
+PY
+then
   "$venv/bin/python" -m pip --disable-pip-version-check -q install --no-deps --no-build-isolation -e . 2>&1 | tail -2
 fi
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"

@@ -26,7 +26,6 @@ from rloo_engine.pipeline.launcher import (
     LaunchStopped,
     LaunchTimeout,
     ThrottledLineLogger,
-    group_alive,
     run_in_process_group,
 )
 from rloo_engine.pipeline.multinode import (
@@ -34,16 +33,16 @@ from rloo_engine.pipeline.multinode import (
     NodeReport,
     NodeSpec,
     check_token,
-    free_port,
     map_path,
     map_paths,
     node_address,
     node_environment,
     node_root,
-    wait_for_health,
+    wait_for_server_node,
 )
 from rloo_engine.pipeline.train_launch import launch_command, raise_for_exit
 from rloo_engine.pipeline.vllm_server import VLLMServerFailed, running_vllm_server, serve_command
+from rloo_engine.services import free_port, group_alive
 from tasks.secrets import secret_env
 from tasks.train import gpu_slot
 
@@ -83,7 +82,7 @@ def train_on_this_node(spec: NodeSpec, report: NodeReport) -> dict:
     root = node_root(spec.output_root, dict(os.environ))
     if spec.vllm_server_url:
         logger.info("waiting for the vLLM server node at %s", spec.vllm_server_url)
-        wait_for_health(spec.vllm_server_url, launch.vllm_server.startup_timeout_s)
+        wait_for_server_node(spec.vllm_server_url, launch.vllm_server.startup_timeout_s)
     config_path = Path(map_path(spec.config_path or "", spec.output_root, root))
     values = map_paths(yaml.safe_load(config_path.read_text()), spec.output_root, root)
     node_config = run_dir / "nodes" / f"{spec.name}.rloo_config.yaml"

@@ -54,7 +54,7 @@ def train_rloo(
     cfg: PipelineConfig, sft: CheckpointInfo, reward: RewardInfo, run_dir: str, parent: RunRef
 ) -> TrainStageResult:
     """Trains the policy; returns the final checkpoint and summary metrics."""
-    from rloo_engine.checkpoint import checkpoint_dirs  # imports torch; kept out of flow start-up
+    from rloo_engine.run.checkpoint import checkpoint_dirs  # imports torch; kept out of flow start-up
 
     logger = get_run_logger()
     out = Path(run_dir) / "train"

@@ -34,7 +34,12 @@ def import_vllm() -> Any:
 
 
 def hf_generation_defaults(model_path: str, tokenizer: Any) -> tuple[list[int], float, int]:
-    """(EOS ids, repetition_penalty, top_k) that HF `generate` would use for this model."""
+    """(EOS ids, repetition_penalty, top_k) that HF `generate` would use for this model.
+
+    Not training's rule (`models.eos_token_ids`: the tokenizer's EOS as well as the generation config's), on
+    purpose: evaluation samples the policy as a user's `generate` (or vLLM serving the same generation config) would,
+    and the vLLM path must produce what the HF path does; training ends a completion at either, so a model whose
+    tokenizer EOS is missing from its generation config cannot run on past it during RL."""
     from transformers import GenerationConfig
 
     try:

@@ -16,7 +16,6 @@ import functools
 import os
 import re
 import selectors
-import signal
 import subprocess
 import time
 from collections import deque
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rloo_engine.lifetime import DIE_WITH_PARENT_ENV, die_with_parent
+from rloo_engine.services import kill_process_group
 
 _LINE_SPLIT = re.compile(rb"\r\n|\r|\n")
 
@@ -43,37 +43,6 @@ class ProcessOutcome:
     tail: list[str]  # last lines of combined stdout/stderr
     log_path: Path
     seconds: float
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def kill_process_group(pgid: int, grace_seconds: float, leader: subprocess.Popen | None = None) -> None:
-    """SIGTERM every process of the group, wait up to `grace_seconds`, then SIGKILL what is left.
-
-    The leader is reaped while waiting; an unreaped (zombie) leader would keep the group "alive".
-    """
-    for sig, wait in ((signal.SIGTERM, grace_seconds), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            break
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if leader is not None:
-                leader.poll()
-            if not group_alive(pgid):
-                return
-            time.sleep(0.1)
-    if leader is not None:
-        leader.poll()
 
 
 def run_in_process_group(

@@ -25,7 +25,8 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from rloo_engine.pipeline.tracking import RunRef
-from rloo_engine.shared_output_dir import VISIBILITY_WAIT_S, OutputDirNotShared
+from rloo_engine.run.shared_output_dir import VISIBILITY_WAIT_S, OutputDirNotShared
+from rloo_engine.services import wait_for_health
 
 NODE_ROOT_ENV = "RLOO_OUTPUT_ROOT"  # where this node sees the run's output_root
 NODE_ADDRESS_ENV = "RLOO_NODE_ADDRESS"  # the address other nodes reach this one at (e.g. a pod IP)
@@ -135,12 +136,6 @@ def node_address(environ: dict[str, str], toward: str | None) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-def free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address if address != "0.0.0.0" else "", 0))
-        return s.getsockname()[1]
-
-
 # ---------------------------------------------------------------- failures
 
 # What a rank prints when another rank vanished: it failed *because of* another node.
@@ -191,19 +186,9 @@ def node_environment(spec: NodeSpec, base: dict[str, str], secrets: dict[str, st
     return child_env(dict(base), set(spec.withhold_env), extra)
 
 
-def wait_for_health(url: str, timeout_s: float, poll_s: float = 1.0) -> None:
-    """Returns once `url`/health answers 200; raises TimeoutError naming the URL after `timeout_s`."""
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-                last = f"HTTP {resp.status}"
-        except OSError as err:
-            last = str(err)
-        time.sleep(poll_s)
-    raise TimeoutError(f"the vLLM server node at {url} was not healthy after {timeout_s:.0f} s ({last})")
+def wait_for_server_node(url: str, timeout_s: float, poll_s: float = 1.0) -> None:
+    """Returns once the vLLM server node at `url` answers /health; raises TimeoutError naming it after `timeout_s`."""
+    try:
+        wait_for_health(url, timeout_s, poll_s=poll_s)
+    except TimeoutError as err:
+        raise TimeoutError(f"the vLLM server node at {err}") from None

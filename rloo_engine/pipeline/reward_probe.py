@@ -27,6 +27,7 @@ def probe_rewards(
     from transformers import AutoTokenizer
 
     from rloo_engine.data import extra_columns, load_prompt_dataset
+    from rloo_engine.models import DTYPES
     from rloo_engine.reward_sources import RewardModelSource, compute_rewards, load_reward_function
 
     dataset = load_prompt_dataset(data.train_prompts, data.train_config, data.train_split)
@@ -41,7 +42,8 @@ def probe_rewards(
     sources = []
     if model_path:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        sources.append(RewardModelSource(model_path, device=device, dtype=_torch_dtype(dtype)))
+        # the table training loads with: `auto` is the checkpoint's dtype there and here (it was float32 here)
+        sources.append(RewardModelSource(model_path, device=device, dtype=DTYPES[dtype]))
     sources.extend(load_reward_function(f) for f in reward.functions)
     result = compute_rewards(sources, reward.weights, None, prompts, completions, completion_ids, extra_columns(rows))
 
@@ -84,9 +86,3 @@ def _plain_text(prompt) -> str:
     if isinstance(prompt, str):
         return prompt
     return str(prompt[-1].get("content", "")) if prompt else ""
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)

@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,7 +21,7 @@ from pathlib import Path
 from rloo_engine.config_base import ConfigError
 from rloo_engine.lifetime import die_with_parent
 from rloo_engine.pipeline.config import VLLMServerSection
-from rloo_engine.pipeline.launcher import group_alive, kill_process_group
+from rloo_engine.services import ServiceExited, free_port, group_alive, kill_process_group, wait_for_health
 
 # vLLM's argument parser (and vllm-serve's own refusal) exit 2: a usage error, which a retry cannot fix.
 USAGE_ERROR_EXIT = 2
@@ -48,11 +44,7 @@ class RunningServer:
 
 def pick_port(host: str, port: int | None) -> int:
     """`port`, or a free port on `host` when it is None or 0."""
-    if port:
-        return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return port or free_port(host)
 
 
 def split_devices(server: list[str] | None, visible: list[str]) -> tuple[str | None, str | None]:
@@ -144,23 +136,18 @@ def running_vllm_server(
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            error = VLLMServerConfigError if proc.returncode == USAGE_ERROR_EXIT else VLLMServerFailed
-            raise error(
-                f"launch.vllm_server: the vLLM server at {url} exited with code {proc.returncode} before answering "
-                f"/health; its log is {log_path} (the train run's logs/{log_path.name}). Last lines:\n"
-                + log_tail(log_path)
-            )
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except (OSError, urllib.error.URLError):
-            pass
-        time.sleep(0.5)
-    raise VLLMServerFailed(
-        f"launch.vllm_server: the vLLM server at {url} did not answer /health within startup_timeout_s={timeout:g} "
-        f"s; its log is {log_path} (the train run's logs/{log_path.name}). Last lines:\n" + log_tail(log_path)
-    )
+    try:
+        wait_for_health(url, timeout, running=lambda: proc.poll() is None)
+    except ServiceExited:
+        error = VLLMServerConfigError if proc.returncode == USAGE_ERROR_EXIT else VLLMServerFailed
+        raise error(
+            f"launch.vllm_server: the vLLM server at {url} exited with code {proc.returncode} before answering "
+            f"/health; its log is {log_path} (the train run's logs/{log_path.name}). Last lines:\n"
+            + log_tail(log_path)
+        ) from None
+    except TimeoutError:
+        raise VLLMServerFailed(
+            f"launch.vllm_server: the vLLM server at {url} did not answer /health within startup_timeout_s="
+            f"{timeout:g} s; its log is {log_path} (the train run's logs/{log_path.name}). Last lines:\n"
+            + log_tail(log_path)
+        ) from None

@@ -4,21 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import requests
 
 from rloo_engine.lifetime import die_with_parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from rloo_engine.services import ServiceExited, free_port, group_alive, kill_process_group, wait_for_health
 
 
 class Server:
@@ -53,17 +46,12 @@ class Server:
         self.wait_healthy()
 
     def wait_healthy(self, timeout: float = 240) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}:\n{self.log.read_text()[-4000:]}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"vLLM server not healthy in {timeout} s:\n{self.log.read_text()[-4000:]}")
+        try:
+            wait_for_health(self.url, timeout, running=lambda: self.proc.poll() is None)
+        except ServiceExited:
+            raise RuntimeError(f"vLLM server exited with {self.proc.returncode}:\n{self.log.read_text()[-4000:]}") from None
+        except TimeoutError:
+            raise RuntimeError(f"vLLM server not healthy in {timeout} s:\n{self.log.read_text()[-4000:]}") from None
 
     def get(self, path: str):
         return requests.get(f"{self.url}{path}", timeout=60).json()
@@ -82,39 +70,16 @@ class Server:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 30 s; returns once no process of the group is left."""
-        if self.group_alive():
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
-        self._reap()
-
-    def _reap(self, grace: float = 30) -> None:
-        deadline = time.monotonic() + grace
-        while self.group_alive() and time.monotonic() < deadline:
-            time.sleep(0.2)  # the engine core exits after the API server
-        if self.group_alive():
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            deadline = time.monotonic() + 10
-            while self.group_alive() and time.monotonic() < deadline:
-                time.sleep(0.2)
+        kill_process_group(self.proc.pid, 30, leader=self.proc)
         self.proc.wait(30)
 
     def kill(self) -> None:
         """As a crash: SIGKILL to the server and its engine core."""
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
-        self._reap()
+        kill_process_group(self.proc.pid, 0, leader=self.proc)
 
     def group_alive(self) -> bool:
-        """Whether any process of the server's group still runs (zombies, dead but not yet reaped, do not count)."""
+        """Whether any process of the server's group still runs (zombies do not count)."""
         self.proc.poll()  # reap the server itself
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue  # exited while we looked
-            if int(fields[2]) == self.proc.pid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
-                return True
-        return False
+        return group_alive(self.proc.pid)

@@ -6,8 +6,12 @@ import pytest
 import torch
 
 from rloo_engine import algorithm as A
-from rloo_engine.logprobs import chunkable_head, chunked_token_log_probs
-from rloo_engine.rollout import chunked_head_difference, completion_token_logps
+from rloo_engine.logprobs import (
+    chunkable_head,
+    chunked_head_difference,
+    chunked_token_log_probs,
+    completion_token_logps,
+)
 from rloo_engine.testing import tiny_models
 
 

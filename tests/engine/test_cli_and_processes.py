@@ -15,7 +15,7 @@ import yaml
 from rloo_engine import exit_codes
 from rloo_engine.cli import parse_train_args
 from rloo_engine.config_base import ConfigError
-from rloo_engine.fault_injection import CRASH_ENV, CRASH_EXIT_CODE
+from rloo_engine.run.fault_injection import CRASH_ENV, CRASH_EXIT_CODE
 from tests.engine.helpers import prompt_file, read_metrics, repo_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
@@ -196,7 +196,7 @@ def test_a_full_disk_ends_in_one_error_line_and_exit_code_5(tmp_path, qwen2_mode
 
 
 def test_latest_with_no_usable_checkpoint_says_it_starts_from_step_0(tmp_path, capsys):
-    from rloo_engine.checkpoint import resolve_resume
+    from rloo_engine.run.checkpoint import resolve_resume
 
     (tmp_path / "checkpoint-2").mkdir()  # no trainer_state.json: unusable
     assert resolve_resume("latest", tmp_path) is None

@@ -7,8 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rloo_engine.fused_decode import decode_step_difference, unsupported_reason
-from rloo_engine.generation import HFGenerationBackend, SamplingParams
+from rloo_engine.generation.base import SamplingParams
+from rloo_engine.generation.fused_decode import decode_step_difference, unsupported_reason
+from rloo_engine.generation.hf import HFGenerationBackend
 from rloo_engine.testing.tiny_models import lm_config
 
 PROMPTS = ["the cat sat on the mat and", "a dog", "once upon a time there was a little"]  # left-padded
@@ -89,7 +90,7 @@ def test_a_model_whose_forward_the_step_does_not_reproduce_decodes_with_generate
     ours = fused.generate(PROMPTS, 2)
     torch.manual_seed(0)
     assert torch.equal(ours.completion_ids, plain.generate(PROMPTS, 2).completion_ids)
-    assert len(said) == 1 and "fused_decode: on a probe batch its step is up to" in said[0]
+    assert len(said) == 1 and "fused_decode: on a probe batch it is up to" in said[0]
     assert "decoding with HF generate" in said[0]
     fused.generate(PROMPTS, 2)
     assert len(said) == 1  # checked once

@@ -10,7 +10,8 @@ from dataclasses import replace
 
 import pytest
 
-from rloo_engine.generation import HFGenerationBackend, Rollout
+from rloo_engine.generation.base import Rollout
+from rloo_engine.generation.hf import HFGenerationBackend
 from rloo_engine.trainer import RLOOTrainer
 from tests.engine.helpers import read_metrics, tiny_config
 

@@ -8,9 +8,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-import rloo_engine.generation as generation
-from rloo_engine.generation import HFGenerationBackend, SamplingParams
-from rloo_engine.kv_cache import SequenceMajorLayer, sequence_major_cache
+import rloo_engine.generation.hf as generation
+from rloo_engine.generation.base import SamplingParams
+from rloo_engine.generation.hf import HFGenerationBackend
+from rloo_engine.generation.kv_cache import SequenceMajorLayer, sequence_major_cache
 
 
 def _kv(batch: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

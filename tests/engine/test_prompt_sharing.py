@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rloo_engine.logprobs import completion_token_logps
 from rloo_engine.prompt_sharing import prompt_groups
-from rloo_engine.rollout import completion_token_logps
 
 
 def grouped_batch(vocab: int, prompts: int = 3, g: int = 4, prompt_len: int = 9, completion_len: int = 7):

@@ -175,7 +175,7 @@ def test_decoding_logprobs_with_processors_are_refused_when_asked_for(tmp_path, 
 def test_the_models_own_generation_config_processors_are_seen(qwen_chat):
     from transformers import GenerationConfig
 
-    from rloo_engine.generation import logit_processors_in_use
+    from rloo_engine.generation.hf import logit_processors_in_use
 
     gen = GenerationConfig.from_pretrained(qwen_chat)
     assert logit_processors_in_use(gen, {}) == []

@@ -18,11 +18,11 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-from rloo_engine import checkpoint as ckpt
 from rloo_engine.config_base import ConfigError
-from rloo_engine.fault_injection import CRASH_ENV
 from rloo_engine.reward_sources import RewardError
-from rloo_engine.run_lock import OutputDirLocked, acquire_run_lock
+from rloo_engine.run import checkpoint as ckpt
+from rloo_engine.run.fault_injection import CRASH_ENV
+from rloo_engine.run.lock import OutputDirLocked, acquire_run_lock
 from rloo_engine.trainer import RLOOTrainer
 from tests.engine.helpers import read_metrics, repo_pythonpath, tiny_config
 from tests.engine.test_cli_and_processes import REPO, run
@@ -46,7 +46,7 @@ def write_config(cfg, path: Path) -> Path:
 
 HOLD_LOCK = (
     "import sys, time\n"
-    "from rloo_engine.run_lock import acquire_run_lock\n"
+    "from rloo_engine.run.lock import acquire_run_lock\n"
     "acquire_run_lock(sys.argv[1])\n"
     "print('locked', flush=True)\n"
     "time.sleep(120)\n"

@@ -14,7 +14,7 @@ import mlflow
 import torch
 from transformers import AutoModelForCausalLM
 
-from rloo_engine.fault_injection import CHECKPOINT_POINTS, KILL_ENV, KILL_POINTS, STEP_POINTS
+from rloo_engine.run.fault_injection import CHECKPOINT_POINTS, KILL_ENV, KILL_POINTS, STEP_POINTS
 from tests.engine.helpers import read_metrics, tiny_config
 from tests.engine.test_cli_and_processes import REPO
 from tests.engine.test_reliability import engine_env, write_config

@@ -157,10 +157,12 @@ def test_a_module_whose_import_fails_is_named_as_failing_not_missing(tmp_path, m
     [
         ("rloo_engine.demo.task:gold_reward", "rloo_engine.demo.toy_task:gold_reward"),
         ("rloo_engine.rewards:FunctionRewardSource", "rloo_engine.reward_sources:FunctionRewardSource"),
+        ("rloo_engine.sampling:TokenSampler", "rloo_engine.generation.sampling:TokenSampler"),
+        ("rloo_engine.vllm_serve:main", "rloo_engine.generation.vllm_serve:main"),
     ],
 )
 def test_a_moved_module_in_a_config_names_its_new_path(old, new):
-    with pytest.raises(ConfigError, match=rf"reward_funcs: {old}: module .* was renamed in rloo-pipeline 0.2.0; write '{new}'"):
+    with pytest.raises(ConfigError, match=rf"reward_funcs: {old}: module .* was moved in rloo-pipeline; write '{new}'"):
         load_reward_function(old)
     assert load_reward_function(new).name == new.rpartition(":")[2]
 

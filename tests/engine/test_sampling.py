@@ -6,7 +6,7 @@ import pytest
 import scipy.stats
 import torch
 
-from rloo_engine.sampling import TokenSampler, sample_categorical
+from rloo_engine.generation.sampling import TokenSampler, sample_categorical
 
 
 def _frequencies(draws: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -76,7 +76,8 @@ def test_the_models_own_generation_config_adds_no_second_temperature_or_top_k(qw
     sampling parameters replace them, as they did when HF sampled."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rloo_engine.generation import HFGenerationBackend, SamplingParams
+    from rloo_engine.generation.base import SamplingParams
+    from rloo_engine.generation.hf import HFGenerationBackend
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(qwen2_model)

@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rloo_engine import models
-from rloo_engine.fault_injection import CRASH_ENV
-from rloo_engine.rollout import batched_token_logps
+from rloo_engine.logprobs import batched_token_logps
+from rloo_engine.run.fault_injection import CRASH_ENV
 from rloo_engine.trainer import RLOOTrainer
 from tests.engine.helpers import prompt_file, read_metrics, tiny_config
 

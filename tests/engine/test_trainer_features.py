@@ -8,7 +8,8 @@ import mlflow
 import pytest
 import torch
 
-from rloo_engine.generation import HFGenerationBackend, Rollout
+from rloo_engine.generation.base import Rollout
+from rloo_engine.generation.hf import HFGenerationBackend
 from rloo_engine.trainer import RLOOTrainer
 from tests.engine.helpers import read_metrics, tiny_config
 
@@ -43,7 +44,7 @@ def test_generation_backend_is_pluggable_and_synced_before_each_generation(tmp_p
 def test_shared_prefill_samples_exactly_what_num_return_sequences_samples(qwen2_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rloo_engine.generation import SamplingParams
+    from rloo_engine.generation.base import SamplingParams
 
     model, tok = AutoModelForCausalLM.from_pretrained(qwen2_model), AutoTokenizer.from_pretrained(qwen2_model)
     prompts = ["the cat sat on the mat and", "a big red fox", "why"]
@@ -91,3 +92,22 @@ def test_metrics_go_to_the_mlflow_run_named_in_the_environment(tmp_path, qwen2_m
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "metrics.jsonl", "completions.json"} <= artifacts
     os.environ.pop("MLFLOW_RUN_ID", None)
+
+
+def test_every_fast_path_probe_says_why_in_one_format():
+    """One rule (`fast_path.fast_path_holds`): a path that cannot run, a probe that raises, and a difference over
+    the tolerance each keep the plain path with one line `rloo-engine: <name>: <why>; <fallback>`."""
+    from rloo_engine.fast_path import fast_path_holds
+
+    said: list[str] = []
+    assert fast_path_holds("p", lambda: 1e-6, 1e-4, "plain", said.append) and said == []
+    assert not fast_path_holds("p", lambda: "no cache here", 1e-4, "plain", said.append)
+    assert not fast_path_holds("p", lambda: 0.5, 1e-4, "plain", said.append)
+
+    def raising() -> float:
+        raise IndexError("index 3 is out of bounds")
+
+    assert not fast_path_holds("p", raising, 1e-4, "plain", said.append)
+    assert said == ["rloo-engine: p: no cache here; plain",
+                    "rloo-engine: p: on a probe batch it is up to 0.5 away from the plain path (tolerance 0.0001); plain",
+                    "rloo-engine: p: its check failed (IndexError: index 3 is out of bounds); plain"]

@@ -10,7 +10,7 @@ import transformers
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from rloo_engine.kv_cache import cache_keyword
+from rloo_engine.generation.kv_cache import cache_keyword
 from tests.engine.helpers import repo_pythonpath
 
 

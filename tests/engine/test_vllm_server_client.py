@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from rloo_engine.testing.vllm_server import free_port
-from rloo_engine.vllm_server_client import VLLMServerClient, VLLMServerError
+from rloo_engine.generation.vllm_client import VLLMServerClient, VLLMServerError
+from rloo_engine.services import free_port
 
 
 def test_a_url_that_is_not_http_is_refused_naming_it():

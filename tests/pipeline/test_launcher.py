@@ -10,7 +10,7 @@ import time
 import pytest
 
 from rloo_engine.config_base import ConfigError
-from rloo_engine.pipeline.launcher import LaunchTimeout, ThrottledLineLogger, group_alive, run_in_process_group
+from rloo_engine.pipeline.launcher import LaunchTimeout, ThrottledLineLogger, run_in_process_group
 from rloo_engine.pipeline.train_launch import (
     EngineConfigError,
     EngineCrashed,
@@ -18,6 +18,7 @@ from rloo_engine.pipeline.train_launch import (
     exit_cause,
     raise_for_exit,
 )
+from rloo_engine.services import group_alive
 
 # A parent that starts a long-lived grandchild (like accelerate starting the engine), then talks and waits.
 FAMILY = (

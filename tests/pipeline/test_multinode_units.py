@@ -21,7 +21,7 @@ from rloo_engine.pipeline.multinode import (
     node_root,
 )
 from rloo_engine.pipeline.train_launch import launch_command
-from rloo_engine.shared_output_dir import OutputDirNotShared
+from rloo_engine.run.shared_output_dir import OutputDirNotShared
 
 
 @pytest.mark.parametrize(

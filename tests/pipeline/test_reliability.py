@@ -12,8 +12,9 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from rloo_engine.pipeline.launcher import group_alive, run_in_process_group
+from rloo_engine.pipeline.launcher import run_in_process_group
 from rloo_engine.pipeline.train_launch import EngineCrashed, engine_exit_code, raise_for_exit, record_exit
+from rloo_engine.services import group_alive
 from tests.engine.helpers import repo_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,7 +10,6 @@ import pytest
 
 from rloo_engine.config_base import ConfigError
 from rloo_engine.pipeline.config import VLLMServerSection
-from rloo_engine.pipeline.launcher import group_alive
 from rloo_engine.pipeline.vllm_server import (
     VLLMServerConfigError,
     VLLMServerFailed,
@@ -19,6 +18,7 @@ from rloo_engine.pipeline.vllm_server import (
     serve_command,
     split_devices,
 )
+from rloo_engine.services import group_alive
 
 
 def test_serve_command_passes_the_options_and_extra_args_after_the_separator():

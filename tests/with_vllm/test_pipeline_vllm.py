@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from rloo_engine.services import free_port
 from rloo_engine.testing import tiny_models
-from rloo_engine.testing.vllm_server import free_port
 from tests.pipeline.conftest import deployed, pipeline_assets, services  # noqa: F401  (the pipeline suite's fixtures)
 
 pytestmark = pytest.mark.slow

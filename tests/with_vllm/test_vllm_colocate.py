@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rloo_engine.generation import SamplingParams
-from rloo_engine.generation_vllm import VLLMColocateBackend
-from rloo_engine.rollout import batched_token_logps
+from rloo_engine.generation.base import SamplingParams
+from rloo_engine.generation.vllm_colocate import VLLMColocateBackend
+from rloo_engine.logprobs import batched_token_logps
 from rloo_engine.testing import tiny_models
 from tests.engine.helpers import repo_pythonpath
 from tests.with_vllm.environment import AT_START, user_environment
@@ -55,7 +55,7 @@ def test_building_an_engine_leaves_the_process_environment_as_it_was(greedy):
     """The engine needs RANK / LOCAL_RANK / WORLD_SIZE / MASTER_* (and vLLM sets its in-process switch) while it is
     built; left behind, a vLLM server this process starts later inherited a rank and this engine's rendezvous port,
     and its engine core failed (HTTP 500 on the first request)."""
-    from rloo_engine.generation_vllm import LAUNCHER_VARIABLES
+    from rloo_engine.generation.vllm_colocate import LAUNCHER_VARIABLES
 
     assert {k: os.environ.get(k) for k in LAUNCHER_VARIABLES} == {k: AT_START.get(k) for k in LAUNCHER_VARIABLES}
 
@@ -210,7 +210,7 @@ def test_two_training_processes_each_with_a_colocated_engine(vllm_policy, tmp_pa
 
 def test_a_tensor_parallel_size_that_does_not_divide_the_processes_is_refused(vllm_policy, tok):
     from rloo_engine.config_base import ConfigError
-    from rloo_engine.generation_vllm import ProcessLayout
+    from rloo_engine.generation.vllm_colocate import ProcessLayout
 
     with pytest.raises(ConfigError, match=r"vllm_tensor_parallel_size: 2 does not divide the 1 training process"):
         VLLMColocateBackend(str(vllm_policy), tok, SamplingParams(4), tensor_parallel_size=2, layout=ProcessLayout())
@@ -222,7 +222,7 @@ def test_truncated_sampling_log_probs_are_the_trainers_less_the_kept_mass(greedy
     """vLLM's processed log-probs under top_p/top_k/min_p are of the truncated, renormalised distribution. The
     trainer's full log-probs less `sampling_kept_log_mass` (vLLM's truncation redone on the trainer's logits) equal
     them; the full log-probs alone are off by the log of the kept mass on every token."""
-    from rloo_engine.rollout import batched_truncated_token_logps
+    from rloo_engine.logprobs import batched_truncated_token_logps
 
     model = AutoModelForCausalLM.from_pretrained(vllm_policy, dtype=torch.float32).eval()
     greedy.sync_weights(model)

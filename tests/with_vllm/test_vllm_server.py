@@ -16,8 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rloo_engine import exit_codes
+from rloo_engine.services import free_port
 from rloo_engine.testing import tiny_models
-from rloo_engine.testing.vllm_server import Server, free_port
+from rloo_engine.testing.vllm_server import Server
 from tests.engine.helpers import read_metrics, repo_pythonpath
 from tests.with_vllm.environment import user_environment
 
@@ -265,9 +266,9 @@ def test_submit_puts_every_request_on_the_wire_itself_and_replaces_connections_t
         server, vllm_policy, monkeypatch):
     from accelerate import Accelerator
 
-    from rloo_engine.generation import SamplingParams
-    from rloo_engine.generation_vllm_server import VLLMServerBackend
-    from rloo_engine.vllm_server_client import _dropped
+    from rloo_engine.generation.base import SamplingParams
+    from rloo_engine.generation.vllm_client import _dropped
+    from rloo_engine.generation.vllm_server import VLLMServerBackend
 
     tok = AutoTokenizer.from_pretrained(vllm_policy)
     backend = VLLMServerBackend(server.url, tok, SamplingParams(6, eos_token_ids=(tok.eos_token_id,)),

@@ -4,7 +4,7 @@ What the trainer needs of the server, and so what this adds to `vllm serve`:
 - `VLLM_SERVER_DEV_MODE=1`: vLLM mounts its RL routes (`/init_weight_transfer_engine`, `/update_weights`,
   `/update_weight_version`, `/weight_info`, ...) only in dev mode;
 - `--weight-transfer-config`: `--weight_transfer auto` (the default) is `nccl` where CUDA is present, else
-  `rloo_gloo` (rloo_engine/vllm_gloo_transfer.py). A server on a GPU the trainer also uses needs `ipc` (CUDA IPC):
+  `rloo_gloo` (rloo_engine/generation/vllm_gloo_transfer.py). A server on a GPU the trainer also uses needs `ipc` (CUDA IPC):
   NCCL cannot put two ranks of one group on one device ("Duplicate GPU detected"). The trainer reads the choice
   from `/server_info` and refuses a server started without one before training starts;
 - `--logprobs-mode processed_logprobs`: the sampled tokens' log-probs after temperature, as the trainer scores them;

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig
 
-from rloo_engine.kv_cache import SequenceMajorLayer, cache_keyword, sequence_major_cache
-from rloo_engine.sampling import PROCESSOR_KWARGS
+from rloo_engine.generation.kv_cache import SequenceMajorLayer, cache_keyword, sequence_major_cache
+from rloo_engine.generation.sampling import PROCESSOR_KWARGS
 
 _ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 # Rope types whose cos/sin at a position do not depend on the sequence length seen so far.

@@ -26,21 +26,13 @@ from typing import Any
 
 import torch
 
-from rloo_engine.algorithm import completion_mask
 from rloo_engine.config_base import ConfigError
-from rloo_engine.generation import Rollout, SamplingParams
+from rloo_engine.generation.base import Rollout, SamplingParams
+from rloo_engine.generation.vllm_common import import_vllm, prompt_token_ids, to_rollout, vllm_weight_items
 
 # vLLM's V1 profiler sizes its dummy batch by max_num_batched_tokens; its default (8192 and up) made the profile
 # misjudge the memory left beside a training process. TRL's colocate uses the same value.
 MAX_NUM_BATCHED_TOKENS = 4096
-
-
-def import_vllm():
-    try:
-        import vllm
-    except ImportError:
-        raise ConfigError("use_vllm: true, but vllm is not installed; pip install 'rloo-pipeline[vllm]'") from None
-    return vllm
 
 
 @dataclass(frozen=True)
@@ -187,56 +179,3 @@ class VLLMColocateBackend:
         from vllm.distributed.parallel_state import destroy_model_parallel
 
         destroy_model_parallel()
-
-
-def prompt_token_ids(tokenizer, prompts: list[str], max_len: int | None, add_special_tokens: bool) -> list[list[int]]:
-    """Unpadded prompt token ids, left-truncated to `max_len` (the end is what the completion continues)."""
-    tokenizer.truncation_side = "left"
-    return tokenizer(prompts, add_special_tokens=add_special_tokens, truncation=max_len is not None,
-                     max_length=max_len)["input_ids"]
-
-
-@contextmanager
-def vllm_weight_items(model: torch.nn.Module):
-    """The policy's weights as vLLM loads them: checkpoint names, a LoRA adapter merged in for the duration."""
-    merged = hasattr(model, "merge_adapter")
-    if merged:
-        model.merge_adapter()
-    try:
-        # state_dict, not named_parameters: a tied lm_head must be named too. vLLM's in-place reload keeps the old
-        # kernel of any layer it is given no weight for, and its lm_head is a layer of its own. The two names hold
-        # one tensor, so in process this is no copy; `vllm_gloo_transfer` sends such a tensor once.
-        state = model.get_base_model().state_dict() if merged else model.state_dict()
-        yield [(k.replace("base_layer.", ""), v) for k, v in state.items() if "lora_" not in k]
-    finally:
-        if merged:
-            model.unmerge_adapter()
-
-
-def to_rollout(prompt_ids: list[list[int]], completions: list[list[int]], g: int, pad: int,
-                eos: list[int], logps: list[list[float]] | None = None) -> Rollout:
-    """Left-pads prompts, right-pads completions, repeats each prompt G times. Output as in `Rollout`.
-
-    logps: the generator's log-prob of each completion token (as long as its completion), or None; they become
-    `generator_logps`, 0 where masked."""
-    P = max(len(p) for p in prompt_ids)
-    T = max(1, max(len(c) for c in completions))
-    prompt = torch.full((len(prompt_ids), P), pad, dtype=torch.long)
-    pmask = torch.zeros((len(prompt_ids), P), dtype=torch.long)
-    for i, p in enumerate(prompt_ids):
-        prompt[i, P - len(p):], pmask[i, P - len(p):] = torch.tensor(p), 1
-    # -1 marks "no token" so that a pad id equal to EOS is never mistaken for an EOS the model produced.
-    comp = torch.full((len(completions), T), -1, dtype=torch.long)
-    for i, c in enumerate(completions):
-        comp[i, : len(c)] = torch.tensor(c, dtype=torch.long)
-    mask, terminated = completion_mask(comp, eos)
-    mask = mask * (comp >= 0).long()
-    comp = torch.where(mask.bool(), comp, torch.full_like(comp, pad))
-    generator_logps = None
-    if logps is not None:
-        generator_logps = torch.zeros((len(completions), T), dtype=torch.float32)
-        for i, row in enumerate(logps):
-            generator_logps[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
-        generator_logps = torch.where(mask.bool(), generator_logps, torch.zeros_like(generator_logps))
-    return Rollout(prompt.repeat_interleave(g, 0), pmask.repeat_interleave(g, 0), comp, mask, terminated,
-                   generator_logps=generator_logps)

@@ -26,9 +26,9 @@ from urllib.parse import urlparse
 
 import torch
 
-from rloo_engine.generation import Rollout, SamplingParams
-from rloo_engine.generation_vllm import import_vllm, prompt_token_ids, to_rollout, vllm_weight_items
-from rloo_engine.vllm_server_client import Pending, VLLMServerClient, VLLMServerError
+from rloo_engine.generation.base import Rollout, SamplingParams
+from rloo_engine.generation.vllm_client import Pending, VLLMServerClient, VLLMServerError
+from rloo_engine.generation.vllm_common import import_vllm, prompt_token_ids, to_rollout, vllm_weight_items
 
 __all__ = ["VLLMServerBackend", "VLLMServerError"]
 
@@ -161,7 +161,7 @@ class VLLMServerBackend:
 
             info = NCCLTrainerInitInfo(_address_towards(host), group_port, world, rank=0)
         else:
-            from rloo_engine.vllm_gloo_transfer import GlooTrainerInitInfo, register
+            from rloo_engine.generation.vllm_gloo_transfer import GlooTrainerInitInfo, register
 
             register()
             info = GlooTrainerInitInfo(host, group_port, world, timeout, rank=0)

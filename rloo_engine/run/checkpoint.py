@@ -31,7 +31,7 @@ from accelerate.utils import DistributedType
 from safetensors.torch import load_file
 
 from rloo_engine.config_base import ConfigError
-from rloo_engine.fault_injection import maybe_kill
+from rloo_engine.run.fault_injection import maybe_kill
 
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"

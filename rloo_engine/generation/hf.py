@@ -1,45 +1,21 @@
-"""Generation backends: sample G completions per prompt. HF `generate` here; vLLM slots in behind the same interface.
-
-The trainer only sees `GenerationBackend.generate(prompts, num_generations) -> Rollout` and
-`sync_weights(model)`, so a colocated or server vLLM backend needs no trainer change.
-"""
+"""The HF generation backend: `model.generate` (or the fused decoding loop) on the training model itself, with one
+prompt prefill shared by a prompt's G completions."""
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from rloo_engine.algorithm import completion_mask
-from rloo_engine.fused_decode import FusedDecoder, decode_step_difference, unsupported_reason
-from rloo_engine.kv_cache import cache_keyword, sequence_major_cache
-from rloo_engine.sampling import PROCESSOR_KWARGS, TokenSampler
-
-
-@dataclass
-class Rollout:
-    """Tokenised prompts and their sampled completions, grouped: rows [k*G, (k+1)*G) share prompt k.
-
-    prompt_ids, prompt_mask: (N, P) left-padded; completion_ids: (N, T) with pad after the first EOS;
-    completion_mask: (N, T) 1 up to and including the first EOS; terminated: (N,) bool.
-    sampling_logps: (N, T) float32 log pi(o_t) at the sampling temperature, recorded while decoding
-    (0 where masked), or None when the backend did not record them. The trainer uses them as pi_old.
-    generator_logps: (N, T) float32 log-prob an external generator (vLLM) reported for each sampled token at
-    the sampling temperature (after its processors: vLLM's processed log-probs), 0 where masked; None from the
-    HF backend. Never pi_old: the trainer compares them with its own forward pass (the mismatch metrics) and
-    forms importance weights from them (`vllm_importance_sampling_correction`).
-    """
-
-    prompt_ids: torch.Tensor
-    prompt_mask: torch.Tensor
-    completion_ids: torch.Tensor
-    completion_mask: torch.Tensor
-    terminated: torch.Tensor
-    sampling_logps: torch.Tensor | None = None
-    generator_logps: torch.Tensor | None = None
+from rloo_engine.config_base import ConfigError
+from rloo_engine.fast_path import FLOAT32_TOLERANCE, fast_path_holds
+from rloo_engine.generation.base import Rollout, SamplingParams
+from rloo_engine.generation.fused_decode import FusedDecoder, decode_step_difference, unsupported_reason
+from rloo_engine.generation.kv_cache import cache_keyword, sequence_major_cache
+from rloo_engine.generation.sampling import PROCESSOR_KWARGS, TokenSampler
 
 
 class SampledTokenLogProbs(LogitsProcessor):
@@ -91,30 +67,20 @@ def logit_processors_in_use(generation_config: Any, extra: dict[str, Any] | None
     return used
 
 
-@dataclass
-class SamplingParams:
-    max_completion_length: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
-    max_prompt_length: int | None = None
-    extra: dict[str, Any] | None = None
-    eos_token_ids: tuple[int, ...] = ()  # every id that ends a completion (see models.eos_token_ids)
-
-
-class GenerationBackend(Protocol):
-    def generate(self, prompts: list[str], num_generations: int, add_special_tokens: bool = False) -> Rollout:
-        """Samples `num_generations` completions for each rendered prompt string.
-
-        `add_special_tokens`: tokenize with the tokenizer's special tokens (e.g. BOS), as plain-text
-        prompts need; prompts rendered by a chat template already contain them.
-        """
-
-    def sync_weights(self, model: torch.nn.Module, step: int = 0) -> None:
-        """Makes the backend sample from `model`'s current weights, those of optimizer step `step` (no-op when
-        it samples from `model` itself)."""
+def record_decoding_logprobs(cfg, policy) -> bool:
+    """Whether the sampling policy's log-probs come from decoding (`sampling_logprobs`). Processors such as
+    min_new_tokens or suppress_tokens change the logits the tokens were drawn from, and the training forward
+    cannot see them: `auto` then uses a forward pass, and an explicit `generation` is refused."""
+    if not cfg.logprobs_from_generation:
+        return False
+    used = logit_processors_in_use(policy.generation_config, cfg.generation_kwargs)
+    if used and cfg.sampling_logprobs == "generation":
+        raise ConfigError(
+            f"sampling_logprobs: 'generation' with logits processors {', '.join(used)}: decoding log-probs would "
+            "include them and the training forward does not, so KL and the first ratio would be wrong; use "
+            "'auto' or 'forward'"
+        )
+    return not used
 
 
 class HFGenerationBackend:
@@ -238,9 +204,18 @@ class HFGenerationBackend:
 
     def _fused_decode_runs(self, model) -> bool:
         """Whether `FusedDecoder` decodes: asked for, and on the first call the model and settings are ones it
-        covers and its step gives the model's own log-probs on a probe batch (within 1e-4)."""
-        if self._fused is not None:
-            return self._fused
+        covers and its step gives the model's own log-probs on a probe batch (`fast_path_holds`)."""
+        if self._fused is None:
+            def measure() -> float | str:
+                why = unsupported_reason(model, self.params.extra, self.params.repetition_penalty)
+                if why is None and self.tokenizer.pad_token_id is None:
+                    why = "the tokenizer has no pad token"
+                return why if why is not None else decode_step_difference(model, len(self.tokenizer))
+
+            # float32 only (unsupported_reason refuses the rest), so the float32 tolerance
+            self._fused = fast_path_holds("fused_decode", measure, FLOAT32_TOLERANCE, "decoding with HF generate",
+                                          self.say)
+        return self._fused
         try:
             why = unsupported_reason(model, self.params.extra, self.params.repetition_penalty)
             if why is None and self.tokenizer.pad_token_id is None:

@@ -7,8 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rloo_engine import trainer as trainer_module
-from rloo_engine.generation import HFGenerationBackend, SamplingParams
-from rloo_engine.rollout import batched_token_logps
+from rloo_engine.generation.base import SamplingParams
+from rloo_engine.generation.hf import HFGenerationBackend
+from rloo_engine.logprobs import batched_token_logps
 from rloo_engine.trainer import RLOOTrainer
 from tests.engine.helpers import read_metrics, tiny_config
 

@@ -1,0 +1,33 @@
+"""`claim_output_dir`: the start of every run, before any model loads, in the one order that is safe."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from rloo_engine.config import RLOOConfig
+from rloo_engine.run import checkpoint as ckpt
+from rloo_engine.run.continuity import check_start, clear_previous_outputs
+from rloo_engine.run.lock import RunLock, acquire_run_lock
+from rloo_engine.run.preflight import check_before_loading
+from rloo_engine.run.shared_output_dir import check_output_dir_shared
+
+
+def claim_output_dir(cfg: RLOOConfig, acc: Accelerator) -> tuple[RunLock | None, Path | None]:
+    """Checks the config's cheap inputs, takes the directory's lock (rank 0), checks that every node sees one
+    filesystem, resolves the checkpoint to resume from, refuses to overwrite or mix another run, and clears the
+    previous outputs when `overwrite_output_dir` says so. Returns (the lock, or None off rank 0; the resume path)."""
+    check_before_loading(cfg)  # reward imports, tokenizer sizes, output_dir: before the lock is taken
+    lock = acquire_run_lock(cfg.output_dir) if acc.is_main_process else None
+    check_output_dir_shared(acc, cfg.output_dir)  # checkpoints need one filesystem across nodes
+    resume_path = ckpt.resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir, acc.num_processes,
+                                      acc.distributed_type == DistributedType.DEEPSPEED, report=acc.is_main_process)
+    check_start(cfg, resume_path, report=acc.is_main_process)  # never overwrite or mix another run
+    if cfg.overwrite_output_dir and acc.is_main_process:
+        if removed := clear_previous_outputs(Path(cfg.output_dir)):
+            print(f"rloo-engine: overwrite_output_dir: removed {', '.join(removed)} from {cfg.output_dir}",
+                  file=sys.stderr)
+    return lock, resume_path
