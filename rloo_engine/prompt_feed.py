@@ -28,11 +28,15 @@ class PromptFeed:
     the backend at once, and `prefetch` keeps the next batch generating while the trainer works on this one."""
 
     def __init__(self, dataset, sampler: PromptSampler, render: Callable[[Any], str], num_prompts: int,
-                 num_generations: int, backend: GenerationBackend, submit_ahead: bool):
+                 num_generations: int, backend: Callable[[], GenerationBackend], submit_ahead: bool):
         self.dataset, self.sampler, self.render = dataset, sampler, render
         self.num_prompts, self.num_generations = num_prompts, num_generations
-        self.backend, self.submit_ahead = backend, submit_ahead
+        self._backend, self.submit_ahead = backend, submit_ahead  # the trainer's current one (it may be swapped)
         self.in_flight: PromptDraw | None = None
+
+    @property
+    def backend(self) -> GenerationBackend:
+        return self._backend()
 
     def _draw(self, weights_step: int) -> PromptDraw:
         before = self.sampler.state_dict()

@@ -129,7 +129,7 @@ class RLOOTrainer:
         self.feed = PromptFeed(self.dataset, self.sampler,
                                lambda prompt: render_prompt(self.tokenizer, prompt, cfg.chat_template_kwargs),
                                cfg.per_device_train_batch_size * self.steps_per_generation // cfg.num_generations,
-                               cfg.num_generations, self.backend, submit_ahead=cfg.async_generation)
+                               cfg.num_generations, lambda: self.backend, submit_ahead=cfg.async_generation)
         self.logger = MetricsLogger(cfg.output_dir, self.acc.is_main_process, cfg.run_name,
                                     {f"train.{k}": v for k, v in cfg.model_dump().items()},
                                     continue_run=bool(cfg.resume_from_checkpoint))

@@ -132,7 +132,7 @@ def test_reward_functions_must_import_and_return_floats(qwen2_model, probe_data)
         RewardError, match=r"reward_funcs\[0\] .*words returned a str at row 0; expected a float or None"
     ):
         probe_rewards(
-            reward_section(functions=["tests.pipeline.test_checkpoints:words"]), probe_data, str(qwen2_model), None
+            reward_section(functions=["tests.pipeline.test_input_checkpoints:words"]), probe_data, str(qwen2_model), None
         )
 
 
