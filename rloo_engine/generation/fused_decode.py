@@ -47,6 +47,10 @@ def unsupported_reason(model: Any, extra: dict[str, Any] | None, repetition_pena
         return "its weights are not all float32"
     if torch.is_autocast_enabled(next(model.parameters()).device.type):
         return "autocast (bf16/fp16 mixed precision) is on"
+    if hasattr(model, "_original_forward"):
+        # accelerate's mixed precision wraps the prepared model's forward in autocast; autocast is then off here,
+        # outside the forward, and on inside it: the decoding step (float32) and the forward (bf16) would differ
+        return "mixed precision (accelerate runs the model's forward under autocast)"
     cfg = model.config
     if getattr(cfg, "hidden_act", None) != "silu":
         return f"hidden_act {getattr(cfg, 'hidden_act', None)!r} is not 'silu'"

@@ -87,10 +87,16 @@ def test_policy_and_reward_model_see_exactly_one_bos(tmp_path, llama3_with_rm, c
 
 
 @pytest.mark.parametrize("use_peft", [False, True])
-def test_step_one_kl_is_exactly_zero_in_bf16(tmp_path, qwen2_model, use_peft):
+def test_step_one_kl_is_exactly_zero_in_bf16(tmp_path, qwen2_model, use_peft, capsys):
     lora = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"]) if use_peft else {}
     RLOOTrainer(tiny_config(tmp_path, qwen2_model, bf16=True, beta=0.1, max_steps=1, **lora)).train()
     assert read_metrics(tmp_path / "out")[0]["kl"] == 0.0
+    # fused_decode is refused for what it is, not by a failed probe: accelerate runs the forward under autocast,
+    # which the check outside the forward did not see (it printed "its check failed (RuntimeError: ...dtype")
+    said = capsys.readouterr().err
+    assert "its check failed" not in said
+    if not use_peft:
+        assert "fused_decode: mixed precision (accelerate runs the model's forward under autocast)" in said
 
 
 def test_conversational_bf16_lora_run_on_a_chat_model(tmp_path, chat_model):
