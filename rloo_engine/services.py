@@ -1,5 +1,6 @@
 """A local HTTP service's life, one way for every caller (the pipeline's vLLM server and nodes, the test and bench
-servers): a free port, the wait for `/health`, and the end of its process group."""
+servers): a free port, the wait for `/health`, and the end of its process group; and `scoped_env`, environment
+variables set for a block and restored after (a judge's key, the variables a vLLM engine is built under)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,25 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+
+@contextmanager
+def scoped_env(values: dict[str, str], restore: Iterable[str] = ()) -> Iterator[None]:
+    """Sets environment variables for the duration of the block, then restores what was there: those in `values`,
+    and those named in `restore` (what code run inside the block may set itself)."""
+    saved = {k: os.environ.get(k) for k in [*values, *restore]}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, old in saved.items():
+            if old is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = old
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -24,11 +24,11 @@ from rloo_engine.config_base import ConfigError
 from rloo_engine.evaluation.report import PairingResult
 from rloo_engine.pipeline import tracking
 from rloo_engine.pipeline.config import PipelineConfig, pipeline_field_names
-from rloo_engine.pipeline.environment import scoped_env
 from rloo_engine.pipeline.judgment_traces import judgment_traces, log_judgment_traces, most_telling_first
 from rloo_engine.pipeline.run_summary import pct
 from rloo_engine.pipeline.stage_results import EvalSummary
 from rloo_engine.pipeline.tracking import RunRef
+from rloo_engine.services import scoped_env
 from tasks.secrets import read_secret_block
 
 # Every numeric statistic of the library's PairingResult, so one added there is logged here as well.

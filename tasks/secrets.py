@@ -1,5 +1,5 @@
 """Secrets at run time: read from Prefect Secret blocks (or the worker's environment), handed to one consumer
-through `rloo_engine.pipeline.environment` (`scoped_env`, `child_env`).
+through `rloo_engine.services.scoped_env` and `rloo_engine.pipeline.environment.child_env`.
 
 A secret is never a flow parameter, never logged and never written to a config file. The training
 process receives its secrets through its own environment only; the judge's key is visible to the

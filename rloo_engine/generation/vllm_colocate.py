@@ -19,7 +19,6 @@ first) and drops the prefix cache. Each rollout carries vLLM's log-prob of every
 from __future__ import annotations
 
 import os
-import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ import torch
 from rloo_engine.config_base import ConfigError
 from rloo_engine.generation.base import Rollout, SamplingParams
 from rloo_engine.generation.vllm_common import import_vllm, prompt_token_ids, to_rollout, vllm_weight_items
+from rloo_engine.services import free_port, scoped_env
 
 # vLLM's V1 profiler sizes its dummy batch by max_num_batched_tokens; its default (8192 and up) made the profile
 # misjudge the memory left beside a training process. TRL's colocate uses the same value.
@@ -68,22 +68,12 @@ def launcher_environment(layout: ProcessLayout):
     as it was afterwards: a process this one starts later (a vLLM server, a judge) must not inherit a rank, a
     rendezvous port held by this engine's group, or vLLM's in-process switch. A single process has no launcher:
     its group is vLLM's own, on a free loopback port unless MASTER_ADDR/MASTER_PORT name one."""
-    before = {k: os.environ.get(k) for k in LAUNCHER_VARIABLES}
-    os.environ.update(RANK=str(layout.rank), LOCAL_RANK=str(layout.local_rank), WORLD_SIZE=str(layout.world_size))
+    values = {"RANK": str(layout.rank), "LOCAL_RANK": str(layout.local_rank), "WORLD_SIZE": str(layout.world_size)}
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
-    try:
+        values["MASTER_ADDR"] = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        values["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(free_port())
+    with scoped_env(values, restore=LAUNCHER_VARIABLES):
         yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 class VLLMColocateBackend:

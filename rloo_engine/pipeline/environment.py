@@ -1,26 +1,7 @@
-"""Environment variables handed to one consumer: set for a block (the judge's key during evaluation), or the
-environment of a child process minus the secrets meant for others (the training process never sees the judge's key)."""
+"""The environment of a child process minus the secrets meant for others (the training process never sees the judge's
+key). Setting variables for a block is `rloo_engine.services.scoped_env`."""
 
 from __future__ import annotations
-
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-
-@contextmanager
-def scoped_env(values: dict[str, str]) -> Iterator[None]:
-    """Sets environment variables for the duration of the block, then restores what was there."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, old in saved.items():
-            if old is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = old
 
 
 def child_env(base: dict[str, str], withhold: set[str], extra: dict[str, str]) -> dict[str, str]:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 
-from rloo_engine.pipeline.environment import scoped_env
+from rloo_engine.services import scoped_env
 
 # Generation options a caller may pass to predict(params=...), with their defaults.
 PREDICT_PARAMS = {"max_new_tokens": 128, "do_sample": False, "temperature": 1.0}

@@ -9,8 +9,8 @@ import pytest
 
 from rloo_engine.config_base import ConfigError
 from rloo_engine.pipeline.config import build_pipeline_config
-from rloo_engine.pipeline.environment import scoped_env
 from rloo_engine.pipeline.tracking import RunRef, flat_params
+from rloo_engine.services import scoped_env
 from tasks.evaluate import _judge_secret
 from tasks.secrets import secret_env
 from tasks.train import _training_env
