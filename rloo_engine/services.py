@@ -95,10 +95,17 @@ def kill_process_group(pgid: int, grace_seconds: float, leader: subprocess.Popen
             break
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
-            if leader is not None:
-                leader.poll()
             if not group_alive(pgid):
+                _reap(leader)
                 return
             time.sleep(0.1)
+    _reap(leader)
+
+
+def _reap(leader: subprocess.Popen | None) -> None:
+    # a leader that died between two looks is a zombie, not yet reaped: polling before the look would miss it
     if leader is not None:
-        leader.poll()
+        try:
+            leader.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
