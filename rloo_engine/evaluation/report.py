@@ -62,7 +62,8 @@ class PairingResult(BaseModel):
         "prompt's two orders). Equals (W + 0.5 T) / (W + L + T) except in `average` mode with identical answers."
     )
     se: float | None = Field(description="Standard error of the win rate (per-prompt scores, ddof=1).")
-    ci_low: float | None = Field(description="Exact (Clopper-Pearson) interval of the win rate on per-prompt scores.")
+    ci_low: float | None = Field(description="Clopper-Pearson interval of the win rate on per-prompt scores, from 50 "
+                                  "prompts on with an effective sample size that ties raise.")
     ci_high: float | None
     lc_win_rate: float | None = Field(
         description="Length-controlled win rate: fitted rate at equal length. None when not estimable."

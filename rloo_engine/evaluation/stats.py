@@ -38,6 +38,8 @@ from scipy.stats import binomtest, norm
 _MAX_BOOTSTRAP_ELEMENTS = 2_000_000  # resamples x prompts per chunk: bounds memory for large eval sets
 _SLOPE_RIDGE = 1e-3
 _MAX_LOGIT = 30.0
+_EXACT_BELOW = 50  # prompts: below this the variance is too noisy to lean on
+_MAX_EFFECTIVE_N = 10.0
 
 
 def win_rate(n_win: int, n_loss: int, n_tie: int) -> float | None:
@@ -71,19 +73,35 @@ def percentile_interval(samples: np.ndarray, confidence: float) -> tuple[float, 
 
 
 def win_rate_ci(scores: np.ndarray, confidence: float) -> tuple[float, float] | None:
-    """Clopper-Pearson interval of the mean per-prompt score: S = sum(scores) successes of n prompts.
+    """Interval of the mean per-prompt score: exact (Clopper-Pearson) below `_EXACT_BELOW` prompts, and the same
+    Beta quantiles on an effective sample size at or above it.
 
     A percentile bootstrap collapses to [1, 1] when every prompt is won, at any n: 3 of 3 would pass a
-    gate at 0.5. The exact binomial interval covers at least `confidence` for 0/1 scores at every n
-    and p (3 of 3: [0.29, 1]); fractional scores (ties, averaged orders) vary less than 0/1 ones with
-    the same mean, so it is conservative for them. The Beta quantiles take a fractional S as they are.
+    gate at 0.5. Clopper-Pearson on S = sum(scores) successes of n prompts covers at least `confidence`
+    for 0/1 scores at every n and p (3 of 3: [0.29, 1]); fractional scores (ties, averaged orders) vary
+    less than 0/1 ones with the same mean, so there it is conservative: 0.99 coverage at 1.3-1.5x the
+    bootstrap's width, i.e. about twice the judge calls for the same precision. From `_EXACT_BELOW` prompts
+    on, the Beta quantiles take the effective sample size n_eff = p(1 - p) / Var(mean) (Korn and Graubard
+    1998): a set of 0/1 scores keeps n_eff = n - 1 (Clopper-Pearson), one with ties gets the larger n it is
+    worth. At p = 0 or 1 the variance says nothing and n stays n; n_eff is capped at `_MAX_EFFECTIVE_N` x n,
+    so a set that is nearly all ties cannot shrink its interval below half the exact one.
     """
     n = len(scores)
     if n == 0:
         return None
-    successes, alpha = float(np.sum(scores)), 1.0 - confidence
-    low = 0.0 if successes <= 0 else float(beta_dist.ppf(alpha / 2, successes, n - successes + 1))
-    high = 1.0 if successes >= n else float(beta_dist.ppf(1 - alpha / 2, successes + 1, n - successes))
+    mean = float(np.mean(scores))
+    size = float(n)
+    if n >= _EXACT_BELOW and 0.0 < mean < 1.0:
+        variance_of_mean = float(np.var(scores, ddof=1)) / n
+        cap = _MAX_EFFECTIVE_N * n
+        size = cap if variance_of_mean == 0.0 else min(mean * (1.0 - mean) / variance_of_mean, cap)
+    return _beta_interval(mean * size, size, 1.0 - confidence)
+
+
+def _beta_interval(successes: float, size: float, alpha: float) -> tuple[float, float]:
+    """Clopper-Pearson's Beta quantiles; a fractional count of successes is taken as it is."""
+    low = 0.0 if successes <= 0 else float(beta_dist.ppf(alpha / 2, successes, size - successes + 1))
+    high = 1.0 if successes >= size else float(beta_dist.ppf(1 - alpha / 2, successes + 1, size - successes))
     return low, high
 
 
