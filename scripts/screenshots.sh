@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Screenshots of the UIs on a demo's stores, taken in headless Chromium, to check what a user sees:
 # the MLflow runs table (Models and Datasets columns), the policy's LoggedModel page, its registry
-# version, and the Prefect UI started on a non-default port with the command the demo prints (the
+# version, the judged prompts as traces and the evaluate run's assessment summary (each pairing's
+# win rate), and the Prefect UI started on a non-default port with the command the demo prints (the
 # script also checks that this UI is told the API's real port).
 #
 # Usage: scripts/screenshots.sh [DEMO_HOME] [OUT_DIR]
@@ -105,6 +106,12 @@ if [ "$eval_run_id" != "-" ]; then  # the judged prompts as traces, and one of t
   "$venv/bin/python" scripts/cdp_screenshot.py "$mlflow/#/experiments/$exp_id/traces?selectedEvaluationId=$judged_trace_id" \
     "$out/mlflow-judgment-trace.png" --wait-text "verdict_ab" --wait 4 --size 1800,900 --click-text "Got it" \
     --click-text "Assess" && echo "screenshots: $out/mlflow-judgment-trace.png  <- trace $judged_trace_id, its feedback open"
+  # The evaluate run's Traces tab: its assessment summary, where the AVG of each `<a>_wins_vs_<b>` feedback is
+  # that pairing's win rate. The assistant panel and the sidebar are closed to fit the feedback names unshortened.
+  "$venv/bin/python" scripts/cdp_screenshot.py "$mlflow/#/experiments/$exp_id/runs/$eval_run_id/traces" \
+    "$out/mlflow-evaluation-summary.png" --wait-text "_wins_vs_" --wait 4 --size 2200,600 \
+    --click 'button[aria-label="Close"]' --click 'button[aria-label="Toggle sidebar"]' \
+    && echo "screenshots: $out/mlflow-evaluation-summary.png  <- the evaluate run's summary: each pairing's win rate"
 fi
 # The Prefect UI asks its server where the API is; on a non-default port it must not say :4200.
 ui_api="$(curl -fsS "http://127.0.0.1:$prefect_port/ui-settings")"

@@ -3,6 +3,8 @@
 Per pairing the `evaluate` MLflow run gets `<pairing>/win_rate`, `ci_low`, `ci_high`, `se`, `lc_win_rate`
 (+ CI), `n`, `n_valid`, `n_parse_error`, `n_api_error`, `consistency_rate`, `first_slot_rate` and the
 mean lengths; the judgments table goes in with `log_table`, so it can be browsed and compared in the UI.
+The judged prompts become traces of the same run (all of them, or a seeded uniform sample of
+`trace_judgments`), each with a `<model_a>_wins_vs_<model_b>` score whose mean is that pairing's win rate.
 Each warning (position bias, LC not estimable, failures) becomes an MLflow tag `evaluation.warning.<pairing>.<kind>`
 on the evaluate run and the parent run, so runs with untrustworthy numbers can be filtered in the UI.
 
@@ -21,20 +23,15 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from rloo_engine.config_base import ConfigError
-from rloo_engine.evaluation.report import PairingResult
+from rloo_engine.evaluation.report import EvalReport
 from rloo_engine.pipeline import tracking
-from rloo_engine.pipeline.config import PipelineConfig, pipeline_field_names
-from rloo_engine.pipeline.judgment_traces import judgment_traces, log_judgment_traces, most_telling_first
+from rloo_engine.pipeline.config import EvaluationSection, PipelineConfig, pipeline_field_names
+from rloo_engine.pipeline.judgment_traces import judgment_traces, log_judgment_traces, sample_tags, sample_traces
 from rloo_engine.pipeline.run_summary import pct
-from rloo_engine.pipeline.stage_results import EvalSummary
+from rloo_engine.pipeline.stage_results import PAIRING_METRICS, EvalSummary, pairing_summary
 from rloo_engine.pipeline.tracking import RunRef
 from rloo_engine.services import scoped_env
 from tasks.secrets import read_secret_block
-
-# Every numeric statistic of the library's PairingResult, so one added there is logged here as well.
-PAIRING_METRICS = tuple(
-    name for name, f in PairingResult.model_fields.items() if f.annotation in (int, float, float | None)
-)
 
 
 @task(name="check_evaluation_inputs", cache_policy=NO_CACHE)
@@ -69,9 +66,8 @@ def evaluate_win_rate(
         with scoped_env(_judge_secret(cfg)):
             report = run_evaluation(eval_cfg, policy_path=policy_path, sft_path=sft_path, output_dir=out)
 
+        record_report(run, cfg.evaluation, report)
         for name, result in report.pairings.items():
-            values = result.model_dump()
-            tracking.log_metrics(run, {f"{name}/{k}": values.get(k) for k in PAIRING_METRICS})
             logger.info(
                 "%s: win rate %s [%s, %s], LC %s, n=%d (parse errors %d, api errors %d)",
                 name,
@@ -83,26 +79,6 @@ def evaluate_win_rate(
                 result.n_parse_error,
                 result.n_api_error,
             )
-        diff = report.paired_difference.model_dump() if report.paired_difference else None
-        if diff:
-            tracking.log_metrics(
-                run, {f"paired_difference/{k}": v for k, v in diff.items() if isinstance(v, (int, float))}
-            )
-        usage = report.usage.model_dump()
-        tracking.log_metrics(run, {f"judge/{k}": v for k, v in usage.items() if isinstance(v, (int, float))})
-
-        c = tracking.client(run.tracking_uri)
-        c.log_table(run.run_id, data=report.table_columns(), artifact_file="judgments.json")
-        if cfg.evaluation.trace_judgments:
-            traces = most_telling_first(judgment_traces(report.table()), cfg.evaluation.trace_judgments)
-            judge = cfg.evaluation.judge
-            ids = log_judgment_traces(run.tracking_uri, run.experiment_id, run.run_id, traces,
-                                      judge_id=judge.model or judge.function or judge.backend)
-            tracking.set_tags(run, {"evaluation.judgment_traces": str(len(ids))})
-        tracking.log_artifact(run, report.results_path)
-        tracking.log_artifact(run, report.judgments_path)
-        for path in report.completions.values():
-            tracking.log_artifact(run, path, "completions")
         for warning in report.warnings:
             logger.warning("evaluation: %s", warning)
         tags = tracking.warning_tags(report.warnings)
@@ -115,15 +91,43 @@ def evaluate_win_rate(
         create_table_artifact(key="win-rates", table=rows, description=f"Win rates with {level} CIs, per pairing")
         return EvalSummary(
             pairings={
-                name: {k: r.model_dump().get(k) for k in (*PAIRING_METRICS, "lc_not_estimable")}
-                for name, r in report.pairings.items()
+                name: pairing_summary(r) for name, r in report.pairings.items()
             },
-            paired_difference=diff,
+            paired_difference=report.paired_difference.model_dump() if report.paired_difference else None,
             warnings=list(report.warnings),
             results_path=str(report.results_path),
             judgments_path=str(report.judgments_path),
             mlflow_run_id=run.run_id,
         )
+
+
+def record_report(run: RunRef, evaluation: EvaluationSection, report: EvalReport) -> None:
+    """Logs the report on the evaluate run: each pairing's metrics, the judgments table and its traces, the files."""
+    for name, result in report.pairings.items():
+        values = result.model_dump()
+        tracking.log_metrics(run, {f"{name}/{k}": values.get(k) for k in PAIRING_METRICS})
+    if report.paired_difference:
+        diff = report.paired_difference.model_dump()
+        tracking.log_metrics(run, {f"paired_difference/{k}": v for k, v in diff.items() if isinstance(v, (int, float))})
+    usage = report.usage.model_dump()
+    tracking.log_metrics(run, {f"judge/{k}": v for k, v in usage.items() if isinstance(v, (int, float))})
+    tracking.client(run.tracking_uri).log_table(run.run_id, data=report.table_columns(), artifact_file="judgments.json")
+    if evaluation.trace_judgments:
+        tracking.set_tags(run, record_judgment_traces(run, report.table(), evaluation))
+    tracking.log_artifact(run, report.results_path)
+    tracking.log_artifact(run, report.judgments_path)
+    for path in report.completions.values():
+        tracking.log_artifact(run, path, "completions")
+
+
+def record_judgment_traces(run: RunRef, rows: list[dict], evaluation: EvaluationSection) -> dict[str, str]:
+    """Logs the judged prompts as traces of `run` (a seeded sample above `trace_judgments`); returns the run's tags."""
+    traces = judgment_traces(rows, evaluation.both_orders_rule)
+    logged = sample_traces(traces, evaluation.trace_judgments, evaluation.seed)
+    judge = evaluation.judge
+    log_judgment_traces(run.tracking_uri, run.experiment_id, run.run_id, logged, judge_backend=judge.backend,
+                        judge_id=judge.model or judge.function or judge.backend)
+    return sample_tags(len(logged), len(traces), evaluation.seed)
 
 
 def _judge_secret(cfg: PipelineConfig) -> dict[str, str]:

@@ -56,7 +56,8 @@ def register_policy(
         tracking.log_metrics(
             run, {"gate/passed": decision.passed, "gate/ci_low": decision.ci_low, "gate/min_ci_low": decision.threshold}
         )
-        gate_tags = {"rloo.gate": "passed" if decision.passed else "failed", "rloo.gate_reason": decision.reason}
+        gate_tags = {"rloo.gate": "passed" if decision.passed else "failed", "rloo.gate_reason": decision.reason,
+                     "rloo.gate_rate": decision.rate}
         tracking.set_tags(run, gate_tags)
         tracking.set_tags(parent, gate_tags)
         promotion = Promotion(

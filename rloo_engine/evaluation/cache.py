@@ -1,7 +1,8 @@
 """SQLite judgment cache: one row per judged SlotPair, written the moment the judgment returns.
 
 The key hashes the judge identity (backend, model, template hash, decoding parameters) with the
-prompt and both answers in their slots, so the order is part of the key. WAL mode with one commit
+prompt and both answers in their slots, so the order is part of the key, and with the prompt's reference
+answer when a reference-guided template shows one. WAL mode with one commit
 per row means a crash loses only the judgments still in flight, and readers (another run, a
 progress monitor) never block the writer. The judge's raw replies are stored, so verdicts can be
 re-parsed offline. `api_error` judgments are not stored: a rerun should try them again.
@@ -49,22 +50,26 @@ CREATE TABLE IF NOT EXISTS judgments (
     batch_prompt_tokens INTEGER NOT NULL DEFAULT 0,
     batch_completion_tokens INTEGER NOT NULL DEFAULT 0,
     served_model TEXT,
-    parser_version INTEGER
+    parser_version INTEGER,
+    slot_a_probability REAL,
+    reference TEXT
 )
 """
 # Columns that caches written by older versions lack, added on open (nothing else changes): the Batch API
-# token counts (their judgments were all live), the served model id and the parser version (unknown: NULL,
-# so their parse_errors are parsed again).
+# token counts (their judgments were all live), the served model id, the parser version (unknown: NULL,
+# so their parse_errors are parsed again), the soft verdict and the reference answer (none: NULL).
 _ADDED_COLUMNS = {
     "batch_prompt_tokens": "INTEGER NOT NULL DEFAULT 0",
     "batch_completion_tokens": "INTEGER NOT NULL DEFAULT 0",
     "served_model": "TEXT",
     "parser_version": "INTEGER",
+    "slot_a_probability": "REAL",
+    "reference": "TEXT",
 }
 _ROW_COLUMNS = (
     "key, backend, model, template_hash, identity, prompt, answer_a, answer_b, status, verdict, raw_texts, "
     "prompt_tokens, completion_tokens, requests, error, created_at, batch_prompt_tokens, batch_completion_tokens, "
-    "served_model, parser_version"
+    "served_model, parser_version, slot_a_probability, reference"
 )
 BATCH_SCHEMA = """
 CREATE TABLE IF NOT EXISTS batches (
@@ -81,12 +86,12 @@ CREATE TABLE IF NOT EXISTS batches (
 
 
 def cache_key(identity: dict[str, Any], pair: SlotPair) -> str:
-    """SHA-256 of the judge identity and the pair as shown (prompt, slot A answer, slot B answer)."""
-    payload = json.dumps(
-        {"judge": identity, "prompt": pair.prompt, "answer_a": pair.answer_a, "answer_b": pair.answer_b},
-        sort_keys=True,
-        ensure_ascii=False,
-    )
+    """SHA-256 of the judge identity and the pair as shown (prompt, slot A answer, slot B answer, and the
+    reference answer when there is one: a pair without one keeps the key it had before references existed)."""
+    shown = {"prompt": pair.prompt, "answer_a": pair.answer_a, "answer_b": pair.answer_b}
+    if pair.reference is not None:
+        shown["reference"] = pair.reference
+    payload = json.dumps({"judge": identity, **shown}, sort_keys=True, ensure_ascii=False)
     # surrogatepass: a lone surrogate (half an emoji) gets a key of its own instead of an UnicodeEncodeError.
     return hashlib.sha256(payload.encode("utf-8", "surrogatepass")).hexdigest()
 
@@ -156,12 +161,14 @@ class JudgmentCache:
             chunk = keys[start : start + 500]
             rows = self._conn.execute(
                 "SELECT key, status, verdict, raw_texts, prompt_tokens, completion_tokens, requests, error, "
-                "batch_prompt_tokens, batch_completion_tokens, served_model, parser_version "
+                "batch_prompt_tokens, batch_completion_tokens, served_model, parser_version, slot_a_probability "
                 f"FROM judgments WHERE key IN ({','.join('?' * len(chunk))})",
                 chunk,
             )
-            for key, status, verdict, raw, pt, ct, requests, error, bpt, bct, served, parser in rows:
-                found[key] = Judgment(status, verdict, json.loads(raw), pt, ct, requests, error, bpt, bct, served, parser)
+            for key, status, verdict, raw, pt, ct, requests, error, bpt, bct, served, parser, soft in rows:
+                found[key] = Judgment(
+                    status, verdict, json.loads(raw), pt, ct, requests, error, bpt, bct, served, parser, soft
+                )
         return found
 
     @_names_a_corrupt_file
@@ -172,7 +179,7 @@ class JudgmentCache:
             self._identity_json = (identity, json.dumps(identity, sort_keys=True))
         self._conn.execute(
             # Columns named: a migrated cache has the added ones in another order than a new one.
-            f"INSERT OR REPLACE INTO judgments ({_ROW_COLUMNS}) VALUES ({','.join('?' * 20)})",
+            f"INSERT OR REPLACE INTO judgments ({_ROW_COLUMNS}) VALUES ({','.join('?' * 22)})",
             (
                 key,
                 identity["backend"],
@@ -194,6 +201,8 @@ class JudgmentCache:
                 j.batch_completion_tokens,
                 j.served_model,
                 j.parser_version,
+                j.slot_a_probability,
+                pair.reference,
             ),
         )
 

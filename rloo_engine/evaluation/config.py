@@ -168,13 +168,33 @@ class JudgeConfig(StrictModel):
     template: str = F(
         "tldr",
         "Judge prompt: a built-in name (`tldr`: DPO-paper-style TL;DR summary comparison; `helpfulness`: general "
-        "helpfulness) or the path of a template YAML file. Used by the openai and hf backends.",
+        "helpfulness; `tldr_letter`, `helpfulness_letter`: the same asking for one letter, for verdict logprobs; "
+        "`math_reference`: correctness against a reference answer, see `reference_answer_column`) or the path of a "
+        "template YAML file. Used by the openai and hf backends.",
     )
     temperature: float = F(
         0.0, "openai: sampling temperature of the judge. 0 makes verdicts (and the cache) stable.", ge=0.0
     )
-    max_tokens: int = F(
-        256, "openai: maximum tokens of the judge's reply (a comparison sentence and the verdict line).", ge=1
+    verdict: Literal["text", "logprobs"] = F(
+        "text",
+        "openai: how the verdict is read. `text`: the `Preferred: A|B` line of the reply (re-asked once if it does "
+        "not parse). `logprobs`: AlpacaEval 2's weighted verdict: the template asks for one letter, the request sets "
+        "`logprobs: true` and `top_logprobs`, and the verdict is the soft preference P(A) / (P(A) + P(B)) of the "
+        "reply's first token; a prompt's score is that probability, not 0/0.5/1. Needs a `reply_format: letter` "
+        "template (`tldr_letter`, `helpfulness_letter`) and, in both-order mode, `both_orders_rule: average`.",
+    )
+    top_logprobs: int = F(
+        20,
+        "openai, verdict logprobs: alternatives returned for the reply's first token (OpenAI allows up to 20). A "
+        "letter outside them counts as probability 0, as in AlpacaEval; more of them make that rarer.",
+        ge=2,
+        le=20,
+    )
+    max_tokens: int | None = F(
+        None,
+        "openai: maximum tokens of the judge's reply. None = 256 with verdict text (a comparison sentence and the "
+        "verdict line), 1 with verdict logprobs (only the first token is read).",
+        ge=1,
     )
     max_tokens_param: Literal["max_tokens", "max_completion_tokens"] = F(
         "max_tokens",
@@ -254,7 +274,30 @@ class JudgeConfig(StrictModel):
             )
         if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url: {self.base_url!r}; expected an http:// or https:// URL")
+        if self.verdict == "logprobs":
+            self._check_logprobs_verdict()
         return self
+
+    def _check_logprobs_verdict(self) -> None:
+        if self.backend != "openai":
+            raise ValueError(
+                f"verdict: 'logprobs' with backend {self.backend!r}; only the openai backend (an OpenAI-compatible "
+                "chat-completions endpoint) returns the log-probabilities of its reply (the hf judge reads label "
+                "probabilities already)"
+            )
+        clashing = sorted({"logprobs", "top_logprobs"} & set(self.extra_body))
+        if clashing:
+            raise ValueError(
+                f"extra_body: sets {clashing} with verdict 'logprobs'; the judge sends them itself (set "
+                "judge.top_logprobs instead)"
+            )
+
+    @property
+    def reply_max_tokens(self) -> int:
+        """`max_tokens`, or its default for the verdict mode: one token is all a logprobs verdict reads."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return 1 if self.verdict == "logprobs" else 256
 
 
 class EvalConfig(StrictModel):
@@ -274,6 +317,12 @@ class EvalConfig(StrictModel):
     )
     reference_completions: str | None = F(
         None, "A completions JSONL file (`prompt` or `prompt_id`, and `completion`) used as the references instead."
+    )
+    reference_answer_column: str | None = F(
+        None,
+        "Column of the prompt set holding each prompt's gold answer (e.g. a math solution), shown to the judge by a "
+        "template whose `user` text has `{reference}` (`math_reference`). Not a side of any pairing: that is "
+        "`reference_column`. Prompts without one are left out and counted in the report. None = no gold answers.",
     )
     max_prompts: int | None = F(None, "Evaluate only the first this many prompts (after de-duplication).", ge=1)
 
@@ -304,14 +353,15 @@ class EvalConfig(StrictModel):
     both_orders_rule: Literal["agree", "average"] = F(
         "agree",
         "How the two orders combine in `both` mode. `agree`: a win counts only when both orders pick the same "
-        "answer; disagreement is a tie. `average`: each order counts as half a judgment.",
+        "answer; disagreement is a tie. `average`: each order counts as half a judgment. Soft verdicts "
+        "(`judge.verdict: logprobs`) need `average`: the prompt's score is the mean of its two orders' preferences.",
     )
 
     max_failed_fraction: float = F(
         0.1,
         "Fail the run (EvaluationError) when more than this share of a pairing's prompts have no verdict "
-        "(parse_error + api_error): a rate over the few that survived is not the rate of the set. A pairing with "
-        "no valid judgment always fails. 1.0 = only that.",
+        "(parse_error + api_error) or lack a completion from one side: a rate over the few that survived is not "
+        "the rate of the set. A pairing with no valid judgment always fails. 1.0 = only that.",
         ge=0.0,
         le=1.0,
     )
@@ -339,16 +389,17 @@ class EvalConfig(StrictModel):
     )
     min_consistency: float = F(
         0.6,
-        "Warn when fewer than this share of prompts judged in both orders get the same winner in both: the judge "
-        "answers by slot or at random often enough to pull every rate toward 50%.",
+        "Warn when fewer than this share of prompts judged in both orders get the same winner in both. With no "
+        "slot preferred this is judge noise (verdicts near a coin flip on many prompts, warning `judge_noise`); "
+        "with one, it is part of the position-bias warning.",
         ge=0.0,
         le=1.0,
     )
     max_first_slot_deviation: float = F(
         0.1,
-        "Warn when the share of verdicts picking slot A is further than this from 50% (and a binomial test "
-        "rejects 50% at the 5% level): a position-biased judge shrinks the raw rate toward 50%; read the "
-        "bias-corrected rate.",
+        "Warn of position bias when the share of verdicts picking slot A is further than this from 50% and the "
+        "slot-bias interval (prompts as clusters) excludes 0: a position-biased judge shrinks the raw rate toward "
+        "50%; read the bias-corrected rate.",
         ge=0.0,
         le=0.5,
     )
@@ -390,6 +441,12 @@ class EvalConfig(StrictModel):
             raise ValueError(f"pairings: {self.pairings} lists a pairing twice")
         if self.pairings == []:
             raise ValueError("pairings: empty list; give at least one pairing, or null for all available")
+        if self.judge.verdict == "logprobs" and self.order_mode == "both" and self.both_orders_rule != "average":
+            raise ValueError(
+                f"both_orders_rule: {self.both_orders_rule!r} with judge.verdict 'logprobs'; a soft verdict is a "
+                "probability, not a winner that can agree or disagree: set both_orders_rule: average (the prompt's "
+                "score is the mean of its two orders' preferences)"
+            )
         if self.budget_usd is not None and self.judge.backend == "openai" and self.judge.model not in self.prices:
             raise ValueError(
                 f"budget_usd: {self.budget_usd} needs the price of judge model {self.judge.model!r}; add it to "

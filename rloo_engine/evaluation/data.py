@@ -31,7 +31,8 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 class EvalPrompt:
     prompt_id: str
     prompt: Prompt
-    reference: str | None = None
+    reference: str | None = None  # the reference completion (a side of the *_vs_reference pairings)
+    reference_answer: str | None = None  # the gold answer a reference-guided judge template is shown
 
 
 def prompt_id(prompt: Prompt) -> str:
@@ -161,6 +162,7 @@ def load_prompts(
     split: str = "test",
     prompt_column: str = "prompt",
     reference_column: str | None = None,
+    reference_answer_column: str | None = None,
     max_prompts: int | None = None,
 ) -> list[EvalPrompt]:
     """Loads the eval prompt set, dropping repeated prompts (one id per prompt) with a warning."""
@@ -173,22 +175,15 @@ def load_prompts(
                 f"prompt_column: {prompt_column!r} is not a column of {source} (row {i} has {sorted(row)})"
             )
         prompt = _check_prompt(row[prompt_column], f"{source} row {i} column {prompt_column!r}")
-        reference = None
-        if reference_column is not None:
-            if reference_column not in row:
-                raise ConfigError(
-                    f"reference_column: {reference_column!r} is not a column of {source} (row {i} has {sorted(row)})"
-                )
-            reference = row[reference_column]  # None: no reference for this prompt (counted as missing)
-            if reference is not None and not isinstance(reference, str):
-                raise ConfigError(
-                    f"reference_column: row {i} of {source} holds {type(reference).__name__}; expected text"
-                )
+        reference = _optional_text(row, i, "reference_column", reference_column, source)
+        reference_answer = _optional_text(row, i, "reference_answer_column", reference_answer_column, source)
+        if reference_answer is not None and not reference_answer.strip():
+            reference_answer = None  # a blank gold answer is no answer: counted as missing, never shown empty
         pid = prompt_id(prompt)
         if pid in seen:
             continue
         seen.add(pid)
-        prompts.append(EvalPrompt(pid, prompt, reference))
+        prompts.append(EvalPrompt(pid, prompt, reference, reference_answer))
         if max_prompts is not None and len(prompts) >= max_prompts:
             break
     if len(prompts) < len(rows) and max_prompts is None:
@@ -196,6 +191,19 @@ def load_prompts(
     if not prompts:
         raise ConfigError(f"prompts: {source} has no prompts")
     return prompts
+
+
+def _optional_text(row: dict[str, Any], i: int, field: str, column: str | None, source: str) -> str | None:
+    """Row `i`'s text in `column` (named by the config field `field`); None when there is no column or no value
+    (a prompt without one is counted as missing by the caller)."""
+    if column is None:
+        return None
+    if column not in row:
+        raise ConfigError(f"{field}: {column!r} is not a column of {source} (row {i} has {sorted(row)})")
+    value = row[column]
+    if value is not None and not isinstance(value, str):
+        raise ConfigError(f"{field}: row {i} of {source} holds {type(value).__name__}; expected text")
+    return value
 
 
 def save_completions(path: str | Path, prompts: list[EvalPrompt], completions: dict[str, str]) -> Path:

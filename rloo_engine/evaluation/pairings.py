@@ -7,6 +7,11 @@ Position-bias control:
 - `single` judges one order per prompt, chosen by a coin flip seeded with (seed, prompt id).
 - Identical answers are a tie without a call.
 A prompt with any failed order is a failure (`api_error` over `parse_error`), never a guess.
+
+Soft verdicts (`judge.verdict: logprobs`): an order's score for model_a is the judge's probability for
+model_a's slot, P(A) / (P(A) + P(B)) with model_a in slot A and 1 minus it in slot B, and a prompt's
+score is the mean of its orders (`average`; config.py refuses `agree`: a probability does not agree or
+disagree). W/L/T and consistency still count the hard verdicts, each order's argmax.
 """
 
 from __future__ import annotations
@@ -34,11 +39,12 @@ class PairItem:
     completion_a: str
     completion_b: str
     orders: tuple[Order, ...]  # () when the completions are identical
+    reference: str | None = None  # the gold answer a reference-guided template shows; None without one
 
     def slot_pair(self, order: Order) -> SlotPair:
         if order == "ab":
-            return SlotPair(self.prompt, self.completion_a, self.completion_b)
-        return SlotPair(self.prompt, self.completion_b, self.completion_a)
+            return SlotPair(self.prompt, self.completion_a, self.completion_b, self.reference)
+        return SlotPair(self.prompt, self.completion_b, self.completion_a, self.reference)
 
 
 @dataclass
@@ -69,6 +75,14 @@ def winner(order: Order, verdict: str | None) -> Winner | None:
     return first if verdict == "A" else ("b" if first == "a" else "a")
 
 
+def order_score(order: Order, judgment: Judgment) -> float:
+    """model_a's score from one order's judgment: the soft preference for its slot when the judge gave one,
+    else 1 for a win, 0.5 for a tie, 0 for a loss."""
+    if judgment.slot_a_probability is not None:
+        return judgment.slot_a_probability if order == "ab" else 1.0 - judgment.slot_a_probability
+    return SCORE[winner(order, judgment.verdict)]
+
+
 def combine_orders(item: PairItem, judgments: dict[Order, Judgment], rule: str) -> ItemOutcome:
     """The prompt's outcome from its per-order judgments (see the module docstring for the rules)."""
     if not item.orders:
@@ -79,13 +93,12 @@ def combine_orders(item: PairItem, judgments: dict[Order, Judgment], rule: str) 
     if "parse_error" in statuses:
         return ItemOutcome("parse_error")
     winners = [winner(o, judgments[o].verdict) for o in item.orders]
+    scores = [order_score(o, judgments[o]) for o in item.orders]
     if len(winners) == 1:
-        score = SCORE[winners[0]]
-        return ItemOutcome("ok", score, [score])
+        return ItemOutcome("ok", scores[0], [SCORE[winners[0]]])
     consistent = winners[0] == winners[1]
     if rule == "average":
-        units = [SCORE[w] for w in winners]
-        return ItemOutcome("ok", sum(units) / 2, units, consistent)
+        return ItemOutcome("ok", sum(scores) / 2, [SCORE[w] for w in winners], consistent)
     score = SCORE[winners[0]] if consistent else 0.5
     return ItemOutcome("ok", score, [score], consistent)
 
@@ -119,8 +132,10 @@ def build_items(
     prompts: list[tuple[str, str]],
     order_mode: str,
     seed: int,
+    reference_answers: dict[str, str] | None = None,
 ) -> tuple[list[PairItem], int]:
-    """(items, n_missing) for `prompts` as (prompt_id, prompt text); prompts lacking either completion are counted."""
+    """(items, n_missing) for `prompts` as (prompt_id, prompt text); prompts lacking either completion are counted.
+    `reference_answers` ({prompt_id: gold answer}) go with the items for a reference-guided template."""
     items, missing = [], 0
     for pid, text in prompts:
         a, b = side_a.get(pid), side_b.get(pid)
@@ -128,5 +143,6 @@ def build_items(
             missing += 1
             continue
         orders = () if a == b else orders_for(pid, order_mode, seed)
-        items.append(PairItem(pairing, pid, text, a, b, orders))
+        reference = reference_answers.get(pid) if reference_answers is not None else None
+        items.append(PairItem(pairing, pid, text, a, b, orders, reference))
     return items, missing

@@ -14,8 +14,10 @@ from rloo_engine.import_paths import load_callable
 
 
 def check_judge(cfg: EvalConfig) -> JudgeTemplate | None:
-    """Loads the judge template, and checks the API key is set / the rule imports; ConfigError otherwise."""
+    """Loads the judge template, checks it fits the verdict mode and the reference answers, and checks the API key
+    is set / the rule imports; ConfigError otherwise."""
     template = load_template(cfg.judge.template) if cfg.judge.backend in ("openai", "hf") else None
+    check_template_fits(cfg, template)
     if cfg.judge.backend == "openai":
         read_api_key(cfg.judge)
         # Imported here so that their import time (aiohttp; openai for the Batch API, ~1 s) is not in judging_s.
@@ -28,10 +30,39 @@ def check_judge(cfg: EvalConfig) -> JudgeTemplate | None:
     return template
 
 
+def check_template_fits(cfg: EvalConfig, template: JudgeTemplate | None) -> None:
+    """A logprobs verdict needs a one-letter template and a text verdict (openai) a verdict-line one; a template
+    showing `{reference}` needs `reference_answer_column`, and that column needs such a template."""
+    verdict = cfg.judge.verdict
+    if template is not None and cfg.judge.backend == "openai":
+        wanted = "letter" if verdict == "logprobs" else "verdict_line"
+        if template.reply_format != wanted:
+            raise ConfigError(
+                f"judge.template: {cfg.judge.template!r} has reply_format {template.reply_format!r}, and "
+                f"judge.verdict: {verdict!r} reads a reply in the format {wanted!r}: "
+                + ("use tldr_letter, helpfulness_letter or a template with reply_format: letter"
+                   if verdict == "logprobs" else "use judge.verdict: logprobs with it, or a verdict-line template")
+            )
+    needs_reference = template is not None and template.needs_reference
+    if needs_reference and cfg.reference_answer_column is None:
+        raise ConfigError(
+            f"judge.template: {cfg.judge.template!r} shows each prompt's reference answer ({{reference}}), and "
+            "reference_answer_column is not set; name the prompt-set column holding the gold answers"
+        )
+    if cfg.reference_answer_column is not None and not needs_reference:
+        shown = f"judge.template {cfg.judge.template!r} has no {{reference}}" if template is not None else (
+            f"the {cfg.judge.backend} judge uses no template")
+        raise ConfigError(
+            f"reference_answer_column: {cfg.reference_answer_column!r} is set, and {shown}, so the answers would never "
+            "reach the judge; use a reference-guided template (math_reference) or unset reference_answer_column"
+        )
+
+
 def load_eval_prompts(cfg: EvalConfig) -> list:
     """The prompt set `cfg` names (file or dataset, split, columns, cap), as `EvalPrompt`s."""
     return load_prompts(cfg.prompts, split=cfg.split, prompt_column=cfg.prompt_column,
-                        reference_column=cfg.reference_column, max_prompts=cfg.max_prompts)
+                        reference_column=cfg.reference_column, reference_answer_column=cfg.reference_answer_column,
+                        max_prompts=cfg.max_prompts)
 
 
 def check_inputs(cfg: EvalConfig) -> dict[str, int]:
@@ -50,6 +81,9 @@ def check_inputs(cfg: EvalConfig) -> dict[str, int]:
         counts["reference"] = sum(ep.reference is not None for ep in prompts)
         if counts["reference"] == 0:
             raise ConfigError(f"reference_column: {cfg.reference_column!r} is empty in every row of {cfg.prompts}")
+    if cfg.reference_answer_column:
+        counts["reference_answer"] = sum(ep.reference_answer is not None for ep in prompts)
+        check_reference_answers(cfg, counts["reference_answer"])
     files = {"reference": cfg.reference_completions, "policy": cfg.policy_completions, "sft": cfg.sft_completions}
     for side, path in files.items():
         if path:
@@ -61,3 +95,12 @@ def check_inputs(cfg: EvalConfig) -> dict[str, int]:
                 )
             counts[side] = matching
     return counts
+
+
+def check_reference_answers(cfg: EvalConfig, n_with: int) -> None:
+    """A reference-guided evaluation needs at least one prompt with a gold answer; ConfigError otherwise."""
+    if cfg.reference_answer_column and n_with == 0:
+        raise ConfigError(
+            f"reference_answer_column: {cfg.reference_answer_column!r} is empty in every row of {cfg.prompts}; "
+            "expected each prompt's gold answer as text"
+        )

@@ -27,7 +27,8 @@ TABLE_COLUMNS = (
     "status",  # ok, parse_error or api_error
     "raw_verdict",  # the judge's reply, as returned
     "raw_verdict_reask",  # its reply to the re-ask, when the first did not parse
-    "parsed_verdict",  # slot verdict: A, B, tie, or null
+    "parsed_verdict",  # slot verdict: A, B, tie, or null (with judge.verdict logprobs: the argmax of the soft one)
+    "soft_preference",  # judge.verdict logprobs: P(model_a's slot) = P(A)/(P(A)+P(B)), 1 minus it in order "ba"; null else
     "winner",  # model_a's or model_b's name, tie, or null when the judgment failed
     "prompt_tokens",
     "completion_tokens",
@@ -73,6 +74,17 @@ class PairingResult(BaseModel):
     lc_not_estimable: str | None = Field(
         None, description="Why LC is None although there are valid prompts (equal length outside the data, or no fit)."
     )
+    sc_win_rate: float | None = Field(
+        None, description="Style-controlled win rate (after Arena-Hard's style control): the fitted rate at equal "
+        "length and equal markdown (headers, list items, bold). Equals LC where no answer uses markdown."
+    )
+    sc_ci_low: float | None = None
+    sc_ci_high: float | None = None
+    sc_not_estimable: str | None = Field(None, description="Why the style-controlled rate is None.")
+    sc_features: list[str] = Field(
+        default_factory=list, description="What the style-controlled rate holds equal: length and the markdown "
+        "elements any answer uses."
+    )
     consistency_rate: float | None = Field(
         description="Share of judged prompts whose two orders pick the same winner (both-order mode only)."
     )
@@ -84,6 +96,11 @@ class PairingResult(BaseModel):
         None, description="Estimated share of verdicts decided by slot, not content: |2 first_slot_rate - 1| with "
         "its sampling noise taken out (sqrt(max(0, (2f - 1)^2 - Var))), so an unbiased judge's is near 0."
     )
+    slot_bias_ci_low: float | None = Field(
+        None, description="Normal interval of the slot bias from the prompt-clustered variance of the first-slot rate; "
+        "the position-bias warning fires only when its lower bound is above 0."
+    )
+    slot_bias_ci_high: float | None = None
     bias_corrected_win_rate: float | None = Field(
         None, description="The win rate with the estimated slot bias undone: 0.5 + (win_rate - 0.5) / (1 - slot_bias)."
     )

@@ -3,17 +3,16 @@ warnings printed next to the numbers (report, CLI line, MLflow tags, pipeline su
 
 Stops (`EvaluationError`): a pairing with nothing to judge (every prompt id unmatched), a pairing
 with no valid judgment, or more failed prompts than `max_failed_fraction` allows.
-Warns: failed or missing prompts, a position-biased judge (low consistency, first-slot rate far
-from 50%), length control that is not estimable, LC far from the raw rate, and a judge alias served
-by more than one model snapshot (cached verdicts of one, new verdicts of another).
+Missing completions count as failed. Warns: failed or missing prompts, a position-biased judge (a slot-bias
+interval that excludes 0), judge noise (the orders disagree with no slot preferred), length control that is not
+estimable, LC far from the raw rate, and a judge alias served by more than one model snapshot (cached verdicts
+of one, new verdicts of another).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping
-
-from scipy.stats import binomtest
 
 from rloo_engine.evaluation.config import EvalConfig
 from rloo_engine.evaluation.errors import EvaluationError
@@ -40,14 +39,17 @@ def check_something_to_judge(name: str, n_items: int, n_missing: int, sources: s
 
 
 def failure_problems(results: Mapping[str, PairingResult], cfg: EvalConfig) -> list[str]:
-    """One message per pairing whose rate must not be reported."""
+    """One message per pairing whose rate must not be reported. A prompt without a completion from one side is a
+    failure like one without a verdict: a rate over the prompts that have both is not the rate of the set."""
     problems = []
     for r in results.values():
-        failed = r.n_parse_error + r.n_api_error
-        counts = f"{failed} of {r.n} prompts failed ({r.n_parse_error} parse_error, {r.n_api_error} api_error)"
+        failed = r.n_parse_error + r.n_api_error + r.n_missing
+        total = r.n + r.n_missing
+        counts = (f"{failed} of {total} prompts failed ({r.n_parse_error} parse_error, {r.n_api_error} api_error, "
+                  f"{r.n_missing} missing a completion from {r.model_a} or {r.model_b})")
         if r.n_valid == 0:
             problems.append(f"{r.name}: no valid judgment: {counts}")
-        elif failed > cfg.max_failed_fraction * r.n:
+        elif failed > cfg.max_failed_fraction * total:
             problems.append(
                 f"{r.name}: {counts}, more than max_failed_fraction {cfg.max_failed_fraction:g} allows; a rate over "
                 f"the {r.n_valid} that survived is not the rate of the set"
@@ -55,20 +57,27 @@ def failure_problems(results: Mapping[str, PairingResult], cfg: EvalConfig) -> l
     return problems
 
 
+def _slot_bias_text(r: PairingResult) -> str:
+    return f"slot bias {r.slot_bias:.2f} [{r.slot_bias_ci_low:.2f}, {r.slot_bias_ci_high:.2f}]"
+
+
+def _prefers_a_slot(r: PairingResult, cfg: EvalConfig) -> bool:
+    """The slot-bias interval excludes 0 and the first-slot rate is further than the allowed deviation from 1/2.
+    Low agreement between the orders alone is not position bias: a judge that judges each order on its own at
+    near-chance confidence disagrees with itself as often, with no slot preferred."""
+    if r.first_slot_rate is None or r.slot_bias_ci_low is None:
+        return False
+    return r.slot_bias_ci_low > 0.0 and abs(r.first_slot_rate - 0.5) > cfg.max_first_slot_deviation
+
+
 def position_bias_warning(r: PairingResult, cfg: EvalConfig) -> str | None:
-    reasons = []
+    if not _prefers_a_slot(r, cfg):
+        return None
+    first = round(r.first_slot_rate * r.n_slot_verdicts)
+    reasons = [f"first-slot rate {r.first_slot_rate:.1%} ({first} of {r.n_slot_verdicts} verdicts) is more than "
+               f"max_first_slot_deviation {cfg.max_first_slot_deviation:.0%} from 50%, {_slot_bias_text(r)}"]
     if r.consistency_rate is not None and r.consistency_rate < cfg.min_consistency:
         reasons.append(f"consistency {r.consistency_rate:.1%} < min_consistency {cfg.min_consistency:.0%}")
-    f = r.first_slot_rate
-    if f is not None and abs(f - 0.5) > cfg.max_first_slot_deviation and r.n_slot_verdicts:
-        first = round(f * r.n_slot_verdicts)
-        if binomtest(first, r.n_slot_verdicts, 0.5).pvalue < 0.05:
-            reasons.append(
-                f"first-slot rate {f:.1%} ({first} of {r.n_slot_verdicts} verdicts) is more than "
-                f"max_first_slot_deviation {cfg.max_first_slot_deviation:.0%} from 50%"
-            )
-    if not reasons:
-        return None
     corrected = ""
     if r.bias_corrected_win_rate is not None:
         ci = (
@@ -76,12 +85,24 @@ def position_bias_warning(r: PairingResult, cfg: EvalConfig) -> str | None:
             if r.bias_corrected_ci_low is not None
             else ""
         )
-        corrected = (
-            f"; bias-corrected win rate {r.bias_corrected_win_rate:.3f}{ci} (estimated slot bias {r.slot_bias:.2f})"
-        )
+        corrected = f"; bias-corrected win rate {r.bias_corrected_win_rate:.3f}{ci}"
     return (
         f"{r.name}: position bias: {', '.join(reasons)}; the judge answers by slot often enough to pull the raw win "
         f"rate {r.win_rate:.3f} toward 0.5{corrected}"
+    )
+
+
+def judge_noise_warning(r: PairingResult, cfg: EvalConfig) -> str | None:
+    """Low agreement between a prompt's two orders from a judge with no slot preference."""
+    if r.consistency_rate is None or r.consistency_rate >= cfg.min_consistency or _prefers_a_slot(r, cfg):
+        return None
+    bias = f" ({_slot_bias_text(r)})" if r.slot_bias_ci_low is not None else ""
+    return (
+        f"{r.name}: judge noise: the two orders of a prompt pick the same winner on only {r.consistency_rate:.1%} "
+        f"(< min_consistency {cfg.min_consistency:.0%}), with no slot preferred{bias}; on many prompts the verdict "
+        f"is close to a coin flip, so the win rate {r.win_rate:.3f} measures a hesitant judge and sits nearer 50% "
+        "than a decisive judge's would. A stronger judge model, a clearer template or the logprobs verdict mode "
+        "helps; the interval already includes this noise"
     )
 
 
@@ -126,7 +147,7 @@ def pairing_warnings(r: PairingResult, cfg: EvalConfig) -> list[str]:
         )
     if r.n_missing:
         warnings.append(f"{r.name}: {r.n_missing} prompts lack a completion from {r.model_a} or {r.model_b}")
-    for warning in (position_bias_warning(r, cfg), length_warning(r, cfg)):
+    for warning in (position_bias_warning(r, cfg), judge_noise_warning(r, cfg), length_warning(r, cfg)):
         if warning:
             warnings.append(warning)
     return warnings

@@ -21,8 +21,16 @@ from rloo_engine.evaluation.config import PAIRINGS, EvalConfig
 from rloo_engine.evaluation.data import EvalPrompt, load_completions, prompt_text, save_completions
 from rloo_engine.evaluation.judges import build_judge
 from rloo_engine.evaluation.judges.base import Judgment, SlotPair
-from rloo_engine.evaluation.pairings import Order, PairItem, build_items, choose_pairings, combine_orders, winner
-from rloo_engine.evaluation.preflight import check_judge, load_eval_prompts
+from rloo_engine.evaluation.pairings import (
+    Order,
+    PairItem,
+    build_items,
+    choose_pairings,
+    combine_orders,
+    order_score,
+    winner,
+)
+from rloo_engine.evaluation.preflight import check_judge, check_reference_answers, load_eval_prompts
 from rloo_engine.evaluation.report import EvalReport, Usage, write_report, write_table
 from rloo_engine.evaluation.result_checks import (
     UntrustworthyResultError,
@@ -62,19 +70,21 @@ def run_evaluation(
     template = check_judge(cfg)  # a missing key or an unimportable rule fails now, not after generating
 
     # 1. prompts and completions of each side
-    prompts = load_eval_prompts(cfg)
+    prompts, gold_answer_counts = with_reference_answers(cfg, load_eval_prompts(cfg))
     completions, completion_paths = collect_completions(cfg, prompts, out_dir)
     generated = time.perf_counter()
 
     # 2. pairings: which prompts are compared in which orders
     names = choose_pairings(cfg.pairings, set(completions))
     texts = [(ep.prompt_id, prompt_text(ep.prompt)) for ep in prompts]
+    gold = {ep.prompt_id: ep.reference_answer for ep in prompts if ep.reference_answer is not None}
     items: dict[str, list[PairItem]] = {}
     missing: dict[str, int] = {}
     for name in names:
         side_a, side_b = PAIRINGS[name]
         items[name], missing[name] = build_items(
-            name, completions[side_a], completions[side_b], texts, cfg.order_mode, cfg.seed
+            name, completions[side_a], completions[side_b], texts, cfg.order_mode, cfg.seed,
+            reference_answers=gold,
         )
         sources = f"{completion_paths.get(side_a, side_a)}, {completion_paths.get(side_b, side_b)}"
         check_something_to_judge(name, len(items[name]), missing[name], sources)
@@ -119,10 +129,13 @@ def run_evaluation(
             "order_mode": cfg.order_mode,
             "both_orders_rule": cfg.both_orders_rule if cfg.order_mode == "both" else None,
             "mode": cfg.judge.mode if cfg.judge.backend == "openai" else None,
+            "verdict": cfg.judge.verdict if cfg.judge.backend == "openai" else None,
             "served_models": served_models(results.values()),
+            **({"reference_answers": gold_answer_counts} if gold_answer_counts else {}),
             **({"batch": run_info} if run_info else {}),
         },
-        warnings=report_warnings(pairing_results, cfg) + judge_warnings(results.values(), cfg.judge.model),
+        warnings=report_warnings(pairing_results, cfg) + judge_warnings(results.values(), cfg.judge.model)
+        + reference_answer_warnings(gold_answer_counts),
         timings={
             "generation_s": round(generated - started, 3),
             "judging_s": round(judged_at - generated, 3),
@@ -158,6 +171,30 @@ def _apply_overrides(
     if output_dir is not None:
         update["output_dir"] = str(output_dir)
     return cfg.model_copy(update=update)
+
+
+def with_reference_answers(
+    cfg: EvalConfig, prompts: list[EvalPrompt]
+) -> tuple[list[EvalPrompt], dict[str, Any] | None]:
+    """The prompts a reference-guided template can judge (those with a gold answer), and their count for the
+    report (None without `reference_answer_column`). The others are left out of every pairing, not shown to
+    the judge with an empty reference."""
+    if cfg.reference_answer_column is None:
+        return prompts, None
+    kept = [ep for ep in prompts if ep.reference_answer is not None]
+    check_reference_answers(cfg, len(kept))
+    counts = {"column": cfg.reference_answer_column, "prompts": len(kept), "prompts_without": len(prompts) - len(kept)}
+    return kept, counts
+
+
+def reference_answer_warnings(counts: dict[str, Any] | None) -> list[str]:
+    if not counts or not counts["prompts_without"]:
+        return []
+    total = counts["prompts"] + counts["prompts_without"]
+    return [
+        f"{counts['prompts_without']} of {total} eval prompts have no reference answer in reference_answer_column "
+        f"{counts['column']!r}; the reference-guided judge cannot judge them, so every pairing leaves them out"
+    ]
 
 
 def collect_completions(
@@ -335,6 +372,7 @@ def _table_rows(
                         "raw_verdict": j.raw_texts[0] if j.raw_texts else None,
                         "raw_verdict_reask": j.raw_texts[1] if len(j.raw_texts) > 1 else None,
                         "parsed_verdict": j.verdict,
+                        "soft_preference": order_score(order, j) if j.slot_a_probability is not None else None,
                         "winner": names[w] if w else None,
                         "prompt_tokens": j.prompt_tokens,
                         "completion_tokens": j.completion_tokens,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,6 +24,15 @@ class JudgedItem:
 
 def text_length(text: str, unit: str) -> int:
     return len(text.split()) if unit == "words" else len(text)
+
+
+_MARKDOWN = (re.compile(r"^#{1,6}\s", re.M), re.compile(r"^\s*(?:[-*+]|\d+[.)])\s", re.M),
+             re.compile(r"\*\*[^*\n]+\*\*|__[^_\n]+__"))
+
+
+def markdown_counts(text: str) -> tuple[int, int, int]:
+    """Headers, list items and bold spans (stats.STYLE_ELEMENTS): what Arena-Hard's style control counts."""
+    return tuple(len(pattern.findall(text)) for pattern in _MARKDOWN)
 
 
 def slot_verdict_counts(valid: Sequence[JudgedItem]) -> tuple[np.ndarray, np.ndarray]:
@@ -63,8 +73,10 @@ def summarize_pairing(
         lc = stats.length_controlled_win_rate(scores, len_a, len_b)
         lc_ci = stats.bootstrap_lc_ci(scores, len_a, len_b, resamples, level, seed)
 
+    sc = _style_controlled(scores, len_a, len_b, valid, lc_problem, lc, lc_ci, cfg, model_a)
     first_slot, verdicts = slot_verdict_counts(valid)
     corrected_ci = stats.bias_corrected_ci(scores, first_slot, verdicts, level)
+    bias_ci = stats.slot_bias_interval(first_slot, verdicts, level) if verdicts.sum() else None
     both_judged = [j for j in valid if j.outcome.consistent is not None]
     all_len_a = [text_length(j.item.completion_a, cfg.length_unit) for j in judged]
     all_len_b = [text_length(j.item.completion_b, cfg.length_unit) for j in judged]
@@ -89,10 +101,13 @@ def summarize_pairing(
         lc_ci_low=lc_ci[0] if lc_ci else None,
         lc_ci_high=lc_ci[1] if lc_ci else None,
         lc_not_estimable=lc_problem,
+        **sc,
         consistency_rate=_rate(sum(bool(j.outcome.consistent) for j in both_judged), len(both_judged)),
         first_slot_rate=float(stats.first_slot_rate(first_slot, verdicts)) if verdicts.sum() else None,
         n_slot_verdicts=int(verdicts.sum()),
         slot_bias=float(stats.slot_bias(first_slot, verdicts)) if verdicts.sum() else None,
+        slot_bias_ci_low=bias_ci[0] if bias_ci else None,
+        slot_bias_ci_high=bias_ci[1] if bias_ci else None,
         bias_corrected_win_rate=stats.bias_corrected_rate(scores, first_slot, verdicts),
         bias_corrected_ci_low=corrected_ci[0] if corrected_ci else None,
         bias_corrected_ci_high=corrected_ci[1] if corrected_ci else None,
@@ -101,6 +116,30 @@ def summarize_pairing(
         mean_length_b=float(np.mean(all_len_b)) if all_len_b else None,
         length_unit=cfg.length_unit,
     )
+
+
+def _style_controlled(scores: np.ndarray, len_a: np.ndarray, len_b: np.ndarray, valid: Sequence[JudgedItem],
+                      lc_problem: str | None, lc: float | None, lc_ci: tuple[float, float] | None, cfg: EvalConfig,
+                      model_a: str) -> dict:
+    """The `sc_*` fields: the rate at equal length and equal markdown. Where no answer has markdown it is LC."""
+    if len(scores) == 0:
+        return {"sc_features": [], "sc_win_rate": None, "sc_ci_low": None, "sc_ci_high": None,
+                "sc_not_estimable": lc_problem}
+    counts_a = np.array([markdown_counts(j.item.completion_a) for j in valid], dtype=float).reshape(-1, 3)
+    counts_b = np.array([markdown_counts(j.item.completion_b) for j in valid], dtype=float).reshape(-1, 3)
+    features, names = stats.style_features(len_a, len_b, counts_a, counts_b)
+    result = {"sc_features": names, "sc_win_rate": None, "sc_ci_low": None, "sc_ci_high": None,
+              "sc_not_estimable": lc_problem}
+    if names == ["length"]:
+        return {**result, "sc_win_rate": lc, "sc_ci_low": lc_ci[0] if lc_ci else None,
+                "sc_ci_high": lc_ci[1] if lc_ci else None}
+    problem = lc_problem or stats.style_support_problem(features, names, cfg.lc_min_overlap, first=model_a) \
+        or stats.controlled_fit_problem(scores, features)
+    if problem is not None:
+        return {**result, "sc_not_estimable": problem}
+    ci = stats.bootstrap_controlled_ci(scores, features, cfg.bootstrap_resamples, cfg.confidence_level, cfg.seed)
+    return {**result, "sc_win_rate": stats.controlled_win_rate(scores, features), "sc_ci_low": ci[0],
+            "sc_ci_high": ci[1]}
 
 
 def paired_difference(first: Sequence[JudgedItem], second: Sequence[JudgedItem], cfg: EvalConfig) -> PairedDifference:

@@ -116,62 +116,106 @@ def bootstrap_mean_ci(scores: np.ndarray, resamples: int, confidence: float, see
 def length_feature(len_a: np.ndarray, len_b: np.ndarray) -> np.ndarray:
     """tanh(delta / sd(delta)) with delta = len_a - len_b; all zeros when the differences do not vary."""
     delta = np.asarray(len_a, dtype=float) - np.asarray(len_b, dtype=float)
-    sd = float(np.std(delta))
+    sd = float(np.std(delta)) if len(delta) else 0.0
     return np.zeros_like(delta) if sd == 0.0 else np.tanh(delta / sd)
 
 
-def fit_length_logistic(x: np.ndarray, y: np.ndarray, iterations: int = 100) -> tuple[np.ndarray, np.ndarray]:
-    """Newton-Raphson fits of y ~ sigmoid(theta_0 + theta_1 x), batched over rows.
+def fit_controlled_logistic(x: np.ndarray, y: np.ndarray, iterations: int = 100) -> tuple[np.ndarray, np.ndarray]:
+    """Newton-Raphson fits of y ~ sigmoid(theta_0 + x @ theta), batched over rows; only the slopes are ridged.
 
-    x, y: (batch, n) features and targets in [0, 1]. Returns (theta_0, theta_1), each (batch,).
+    x: (batch, n, k) features, y: (batch, n) targets in [0, 1]. Returns (theta_0 (batch,), slopes (batch, k)).
     """
-    x = np.atleast_2d(x)
-    y = np.atleast_2d(y)
-    theta0 = logit(np.clip(y.mean(axis=1), 1e-9, 1 - 1e-9))
-    theta1 = np.zeros(len(x))
+    batch, n, k = x.shape
+    design = np.concatenate([np.ones((batch, n, 1)), x], axis=2)
+    ridge = np.full(k + 1, _SLOPE_RIDGE)
+    ridge[0] = 1e-12  # the intercept is free: with every feature at 0, sigmoid(theta_0) is the raw rate
+    theta = np.zeros((batch, k + 1))
+    theta[:, 0] = logit(np.clip(y.mean(axis=1), 1e-9, 1 - 1e-9))
     for _ in range(iterations):
-        p = expit(theta0[:, None] + theta1[:, None] * x)
-        w = p * (1.0 - p)
-        r = y - p
-        g0 = r.sum(axis=1)
-        g1 = (r * x).sum(axis=1) - _SLOPE_RIDGE * theta1
-        h00 = w.sum(axis=1) + 1e-12
-        h01 = (w * x).sum(axis=1)
-        h11 = (w * x * x).sum(axis=1) + _SLOPE_RIDGE
-        det = np.maximum(h00 * h11 - h01 * h01, 1e-300)
-        new0 = np.clip(theta0 + np.clip((h11 * g0 - h01 * g1) / det, -5.0, 5.0), -_MAX_LOGIT, _MAX_LOGIT)
-        new1 = np.clip(theta1 + np.clip((h00 * g1 - h01 * g0) / det, -5.0, 5.0), -_MAX_LOGIT, _MAX_LOGIT)
-        change = max(np.abs(new0 - theta0).max(), np.abs(new1 - theta1).max())
-        theta0, theta1 = new0, new1
+        p = expit(np.einsum("bnk,bk->bn", design, theta))
+        gradient = np.einsum("bnk,bn->bk", design, y - p) - ridge * theta * (np.arange(k + 1) > 0)
+        hessian = np.swapaxes(design * (p * (1.0 - p))[..., None], 1, 2) @ design + np.diag(ridge)
+        step = np.linalg.solve(hessian, gradient[..., None])[..., 0]
+        new = np.clip(theta + np.clip(step, -5.0, 5.0), -_MAX_LOGIT, _MAX_LOGIT)
+        change = np.abs(new - theta).max()
+        theta = new
         if change < 1e-8:  # converged (or pinned at the clip when wins and losses are separable)
             break
-    return theta0, theta1
+    return theta[:, 0], theta[:, 1:]
+
+
+def fit_length_logistic(x: np.ndarray, y: np.ndarray, iterations: int = 100) -> tuple[np.ndarray, np.ndarray]:
+    """y ~ sigmoid(theta_0 + theta_1 x), batched over rows. x, y: (batch, n). Returns (theta_0, theta_1), each (batch,)."""
+    theta0, slopes = fit_controlled_logistic(np.atleast_2d(x)[..., None], np.atleast_2d(y), iterations)
+    return theta0, slopes[:, 0]
+
+
+def controlled_win_rate(scores: np.ndarray, features: np.ndarray) -> float | None:
+    """Fitted win rate with every feature at 0 (equal length, equal style), sigmoid(theta_0). features: (n, k)."""
+    if len(scores) == 0:
+        return None
+    if np.all(scores == scores[0]):  # nothing for the features to explain (and the fit would run off to +-inf)
+        return float(scores[0])
+    theta0, _ = fit_controlled_logistic(features[None], scores[None])
+    return float(expit(theta0[0]))
+
+
+def bootstrap_controlled_ci(scores: np.ndarray, features: np.ndarray, resamples: int, confidence: float,
+                            seed: int) -> tuple[float, float] | None:
+    """Percentile bootstrap CI of the controlled win rate, resampling prompts (features are fixed per prompt)."""
+    if len(scores) == 0:
+        return None
+    if np.all(scores == scores[0]):  # every resample is constant too (zero width): the rate is the raw one, and
+        return win_rate_ci(scores, confidence)  # so is its interval (3 of 3 won: [0.29, 1], not [1, 1])
+    rates = [expit(fit_controlled_logistic(features[idx], scores[idx])[0])
+             for idx in bootstrap_index_chunks(len(scores), resamples, seed)]
+    return percentile_interval(np.concatenate(rates), confidence)
 
 
 def length_controlled_win_rate(scores: np.ndarray, len_a: np.ndarray, len_b: np.ndarray) -> float | None:
     """Fitted win rate at equal lengths, sigmoid(theta_0). None when empty."""
-    if len(scores) == 0:
-        return None
-    if np.all(scores == scores[0]):  # nothing for length to explain (and the fit would run off to +-inf)
-        return float(scores[0])
-    theta0, _ = fit_length_logistic(length_feature(len_a, len_b), scores)
-    return float(expit(theta0[0]))
+    return controlled_win_rate(scores, length_feature(len_a, len_b)[:, None])
 
 
 def bootstrap_lc_ci(
     scores: np.ndarray, len_a: np.ndarray, len_b: np.ndarray, resamples: int, confidence: float, seed: int
 ) -> tuple[float, float] | None:
     """Percentile bootstrap CI of the LC win rate, resampling prompts (the length feature is fixed per prompt)."""
-    if len(scores) == 0:
+    return bootstrap_controlled_ci(scores, length_feature(len_a, len_b)[:, None], resamples, confidence, seed)
+
+
+STYLE_ELEMENTS = ("headers", "list_items", "bold")
+
+
+def style_features(len_a: np.ndarray, len_b: np.ndarray, counts_a: np.ndarray, counts_b: np.ndarray
+                   ) -> tuple[np.ndarray, list[str]]:
+    """The features of style control (after Arena-Hard's): the LC length feature, then per markdown element
+    (`STYLE_ELEMENTS`, counts (n, 3) per side) the normalised difference (a - b) / (a + b), 0 where neither has
+    one, scaled to unit sd but not centred, so 0 still means "equally styled". Elements no answer uses are
+    left out. Returns ((n, k) features, their names)."""
+    columns, names = [length_feature(len_a, len_b)], ["length"]
+    counts_a, counts_b = np.asarray(counts_a, dtype=float), np.asarray(counts_b, dtype=float)
+    for j, element in enumerate(STYLE_ELEMENTS):
+        total = counts_a[:, j] + counts_b[:, j]
+        if not total.any():
+            continue
+        with np.errstate(invalid="ignore", divide="ignore"):
+            diff = np.where(total > 0, (counts_a[:, j] - counts_b[:, j]) / total, 0.0)
+        sd = float(np.std(diff))
+        columns.append(diff / sd if sd > 0 else diff)
+        names.append(element)
+    return np.stack(columns, axis=1), names
+
+
+def controlled_fit_problem(scores: np.ndarray, features: np.ndarray) -> str | None:
+    """Why the controlled fit on all prompts is ill-conditioned (a coefficient at its bound), or None."""
+    if len(scores) == 0 or np.all(scores == scores[0]):
         return None
-    if np.all(scores == scores[0]):  # every resample is constant too
-        return float(scores[0]), float(scores[0])
-    x = length_feature(len_a, len_b)
-    rates = [
-        expit(fit_length_logistic(x[idx], scores[idx])[0])
-        for idx in bootstrap_index_chunks(len(scores), resamples, seed)
-    ]
-    return percentile_interval(np.concatenate(rates), confidence)
+    theta0, slopes = fit_controlled_logistic(features[None], scores[None])
+    if max(abs(theta0[0]), np.abs(slopes[0]).max()) >= _MAX_LOGIT - 1e-6:
+        return "the model does not converge (the controlled features separate wins from losses); its intercept is " \
+               "unbounded"
+    return None
 
 
 @dataclass(frozen=True)
@@ -194,15 +238,9 @@ def sign_test(scores_first: np.ndarray, scores_second: np.ndarray) -> SignTest:
     return SignTest(plus, minus, int((diff == 0).sum()), p_value)
 
 
-def lc_support_problem(
-    len_a: np.ndarray, len_b: np.ndarray, min_share: float, unit: str, first: str = "the first model"
-) -> str | None:
-    """Why LC cannot be estimated from these lengths, or None when it can.
-
-    LC is the fitted rate at equal length; it is supported by the data only when at least
-    `min_share` of the prompts lie on each side of equal length (a tie in length counts for both).
-    """
-    delta = np.asarray(len_a, dtype=float) - np.asarray(len_b, dtype=float)
+def _one_sided(delta: np.ndarray, min_share: float) -> tuple[str, int, int] | None:
+    """(side, prompts on it, prompts needed on each side) when fewer than `min_share` of the prompts (and at least
+    2) lie on one side of 0, a 0 counting for both; None when 0 lies inside the data."""
     n = len(delta)
     if n == 0 or np.all(delta == 0):
         return None
@@ -212,12 +250,41 @@ def lc_support_problem(
     if min(at_least, at_most) >= needed:
         return None
     side = "longer" if at_least > at_most else "shorter"
-    count = longer if side == "longer" else shorter
+    return side, longer if side == "longer" else shorter, needed
+
+
+def lc_support_problem(
+    len_a: np.ndarray, len_b: np.ndarray, min_share: float, unit: str, first: str = "the first model"
+) -> str | None:
+    """Why LC cannot be estimated from these lengths, or None when it can.
+
+    LC is the fitted rate at equal length; it is supported by the data only when at least
+    `min_share` of the prompts lie on each side of equal length (a tie in length counts for both).
+    """
+    delta = np.asarray(len_a, dtype=float) - np.asarray(len_b, dtype=float)
+    one_sided = _one_sided(delta, min_share)
+    if one_sided is None:
+        return None
+    side, count, needed = one_sided
     return (
-        f"{first} is {side} on {count} of {n} prompts (length difference {delta.min():+g} to "
+        f"{first} is {side} on {count} of {len(delta)} prompts (length difference {delta.min():+g} to "
         f"{delta.max():+g} {unit}); equal length lies outside the data (lc_min_overlap needs {needed} prompts on "
         "each side), so a rate at equal length would be an extrapolation"
     )
+
+
+def style_support_problem(features: np.ndarray, names: list[str], min_share: float,
+                          first: str = "the first model") -> str | None:
+    """Why the style-controlled rate cannot be estimated (a markdown element one model uses more on nearly every
+    prompt), or None. Length is checked by `lc_support_problem`."""
+    for column, name in zip(features.T, names, strict=True):
+        one_sided = _one_sided(column, min_share) if name != "length" else None
+        if one_sided is not None:
+            side, count, needed = one_sided
+            more = "more" if side == "longer" else "fewer"
+            return (f"{first} uses {more} {name.replace('_', ' ')} on {count} of {len(column)} prompts; equal style "
+                    f"lies outside the data (lc_min_overlap needs {needed} prompts on each side)")
+    return None
 
 
 def length_strata(scores: np.ndarray, len_a: np.ndarray, len_b: np.ndarray, confidence: float,
@@ -238,12 +305,9 @@ def length_strata(scores: np.ndarray, len_a: np.ndarray, len_b: np.ndarray, conf
 
 def lc_fit_problem(scores: np.ndarray, len_a: np.ndarray, len_b: np.ndarray) -> str | None:
     """Why the LC fit on all prompts is ill-conditioned (a coefficient at its bound), or None."""
-    if len(scores) == 0 or np.all(scores == scores[0]):
-        return None
-    theta0, theta1 = fit_length_logistic(length_feature(len_a, len_b), scores)
-    if max(abs(theta0[0]), abs(theta1[0])) >= _MAX_LOGIT - 1e-6:
-        return "the length model does not converge (length separates wins from losses); its intercept is unbounded"
-    return None
+    problem = controlled_fit_problem(scores, length_feature(len_a, len_b)[:, None])
+    return None if problem is None else ("the length model does not converge (length separates wins from losses); "
+                                         "its intercept is unbounded")
 
 
 def first_slot_rate(first_slot: np.ndarray, verdicts: np.ndarray) -> np.ndarray:
@@ -287,8 +351,10 @@ def bias_corrected_rate(scores: np.ndarray, first_slot: np.ndarray, verdicts: np
     return None if np.isnan(value) else value
 
 
-def _slot_bias_interval(first_slot: np.ndarray, verdicts: np.ndarray, confidence: float) -> tuple[float, float]:
-    """A normal interval of beta = |2f - 1| from the clustered variance of f, clipped to [0, 1)."""
+def slot_bias_interval(first_slot: np.ndarray, verdicts: np.ndarray, confidence: float) -> tuple[float, float]:
+    """A normal interval of beta = |2f - 1| from the clustered variance of f, clipped to [0, 1). Its lower bound is
+    above 0 only when the first-slot rate differs from 1/2 by more than its sampling noise."""
+    first_slot, verdicts = np.asarray(first_slot, dtype=float), np.asarray(verdicts, dtype=float)
     f = float(first_slot_rate(first_slot, verdicts))
     var_f = float(((first_slot - f * verdicts) ** 2).sum() / verdicts.sum() ** 2)
     half = norm.ppf(1 - (1 - confidence) / 2) * 2.0 * np.sqrt(var_f)
@@ -310,7 +376,7 @@ def bias_corrected_ci(
     first_slot, verdicts = np.asarray(first_slot, dtype=float), np.asarray(verdicts, dtype=float)
     each = 1.0 - (1.0 - confidence) / 2.0
     raw_low, raw_high = win_rate_ci(scores, each)
-    beta_low, beta_high = _slot_bias_interval(first_slot, verdicts, each)
+    beta_low, beta_high = slot_bias_interval(first_slot, verdicts, each)
     corners = _undo_shrinkage(np.array([raw_low, raw_low, raw_high, raw_high]),
                               np.array([beta_low, beta_high, beta_low, beta_high]))
     return float(corners.min()), float(corners.max())

@@ -1,9 +1,12 @@
 """Judge prompt templates: versioned YAML files (built-in or user-supplied), rendered into chat messages.
 
 A template file has `name`, `version`, `user` (with the placeholders `{prompt}`, `{answer_a}` and
-`{answer_b}`), and optionally `system`, `reask` (the follow-up sent once when the verdict does not
-parse) and `verdict_prefix` (the label of the final line, default `Preferred`). The template hash
-covers everything that changes what the judge is asked, so editing a template invalidates the cache.
+`{answer_b}`, and optionally `{reference}`: the prompt's gold answer, for reference-guided judging), and
+optionally `system`, `reask` (the follow-up sent once when the verdict does not parse), `verdict_prefix`
+(the label of the final line, default `Preferred`) and `reply_format` (`verdict_line`, the default, or
+`letter`: the judge answers with the single letter A or B, for `judge.verdict: logprobs`). The template
+hash covers everything that changes what the judge is asked, so editing a template invalidates the cache;
+the reference text is part of each judgment's cache key, as the answers are.
 """
 
 from __future__ import annotations
@@ -20,9 +23,16 @@ import yaml
 from rloo_engine.config_base import ConfigError
 
 BUILTIN_DIR = Path(__file__).parent / "templates"
-BUILTIN = {"tldr": "tldr_v1.yaml", "helpfulness": "helpfulness_v1.yaml"}
-PLACEHOLDERS = ("prompt", "answer_a", "answer_b")
-_PLACEHOLDER_RE = re.compile(r"\{(prompt|answer_a|answer_b)\}")
+BUILTIN = {
+    "tldr": "tldr_v1.yaml",
+    "helpfulness": "helpfulness_v1.yaml",
+    "tldr_letter": "tldr_letter_v1.yaml",
+    "helpfulness_letter": "helpfulness_letter_v1.yaml",
+    "math_reference": "math_reference_v1.yaml",
+}
+PLACEHOLDERS = ("prompt", "answer_a", "answer_b")  # required; `{reference}` is optional
+REPLY_FORMATS = ("verdict_line", "letter")
+_PLACEHOLDER_RE = re.compile(r"\{(prompt|answer_a|answer_b|reference)\}")
 DEFAULT_REASK = (
     "Your reply did not end with the verdict line. Reply with one line only: `{prefix}: A` or `{prefix}: B`."
 )
@@ -36,6 +46,7 @@ class JudgeTemplate:
     system: str | None = None
     reask: str | None = None
     verdict_prefix: str = "Preferred"
+    reply_format: str = "verdict_line"  # what the judge is asked to answer with; one of REPLY_FORMATS
     source: str = ""
 
     @cached_property  # the template is frozen; the judge reads this once per judgment
@@ -48,9 +59,19 @@ class JudgeTemplate:
     def reask_text(self) -> str:
         return self.reask or DEFAULT_REASK.format(prefix=self.verdict_prefix)
 
-    def render(self, prompt: str, answer_a: str, answer_b: str) -> list[dict[str, str]]:
-        """Chat messages asking the judge to compare `answer_a` (slot A) and `answer_b` (slot B)."""
-        values = {"prompt": prompt, "answer_a": answer_a, "answer_b": answer_b}
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the `user` text shows the prompt's gold answer (`{reference}`)."""
+        return "reference" in self._user_parts[1::2]
+
+    def render(
+        self, prompt: str, answer_a: str, answer_b: str, reference: str | None = None
+    ) -> list[dict[str, str]]:
+        """Chat messages asking the judge to compare `answer_a` (slot A) and `answer_b` (slot B), against
+        `reference` when the template shows one."""
+        if self.needs_reference and reference is None:
+            raise ValueError(f"template {self.name!r} shows a reference answer ({{reference}}) and none was given")
+        values = {"prompt": prompt, "answer_a": answer_a, "answer_b": answer_b, "reference": reference or ""}
         # Substituted part by part, so placeholder-like text inside the values is left alone.
         user = "".join(values.get(part, part) if i % 2 else part for i, part in enumerate(self._user_parts))
         messages = [{"role": "system", "content": self.system}] if self.system else []
@@ -85,7 +106,7 @@ def load_template(name_or_path: str) -> JudgeTemplate:
         raise ConfigError(
             f"judge.template: {path} holds a {type(data).__name__}; expected a mapping with a `user` field"
         )
-    unknown = set(data) - {"name", "version", "system", "user", "reask", "verdict_prefix"}
+    unknown = set(data) - {"name", "version", "system", "user", "reask", "verdict_prefix", "reply_format"}
     if unknown:
         raise ConfigError(f"judge.template: {path} has unknown fields {sorted(unknown)}")
     user = data.get("user")
@@ -98,6 +119,11 @@ def load_template(name_or_path: str) -> JudgeTemplate:
             "it needs {prompt}, {answer_a} and {answer_b}"
         )
     prefix = str(data.get("verdict_prefix") or "Preferred")
+    reply_format = data.get("reply_format") or "verdict_line"
+    if reply_format not in REPLY_FORMATS:
+        raise ConfigError(
+            f"judge.template: {path} has reply_format {reply_format!r}; expected one of {', '.join(REPLY_FORMATS)}"
+        )
     return JudgeTemplate(
         name=str(data.get("name") or path.stem),
         version=str(data.get("version", "1")),
@@ -105,5 +131,6 @@ def load_template(name_or_path: str) -> JudgeTemplate:
         system=data.get("system") or None,
         reask=data.get("reask") or None,
         verdict_prefix=prefix,
+        reply_format=reply_format,
         source=source,
     )

@@ -349,13 +349,16 @@ class EvaluationSection(StrictModel):
     num_samples: int | None = F(None, "Evaluate the first this many eval prompts. None = all.", ge=1)
     trace_judgments: int = F(
         1000,
-        "Record up to this many judged prompts (all pairings together) as MLflow traces of the evaluate run, "
-        "with each order's verdict and the judge's reply as feedback; failures and order disagreements first. "
-        "0 = none (the judgments table artifact is always logged).",
+        "Record up to this many judged prompts (all pairings together) as MLflow traces of the evaluate run, each "
+        "with its score for model_a (`policy_wins_vs_sft` ...: 1 / 0.5 / 0, averaging to the win rate) and each "
+        "order's verdict and judge reply as feedback. Above the cap, a uniform random sample (seeded by `seed`, "
+        "each pairing in proportion), so the UI's averages stay unbiased; every judgment, failures and "
+        "disagreements included, is in the judgments table artifact, which is always logged. 0 = no traces.",
         ge=0,
     )
     order_mode: Literal["both", "single"] = _eval_field("order_mode")
     both_orders_rule: Literal["agree", "average"] = _eval_field("both_orders_rule")
+    reference_answer_column: str | None = _eval_field("reference_answer_column")
     generation: EvalGenerationConfig = Field(
         default_factory=EvalGenerationConfig,
         description="How policy and SFT completions are generated (greedy by default).",
@@ -388,10 +391,23 @@ class PromotionGate(StrictModel):
 
     min_ci_low: float = F(
         0.5,
-        "Register the policy only when the lower bound of the policy-vs-SFT win-rate CI reaches this value. "
-        "0.5 means: better than SFT with the configured confidence.",
+        "Register the policy only when the lower bound of the policy-vs-SFT win-rate CI (of the rate `rate` "
+        "names) reaches this value. 0.5 means: better than SFT with the configured confidence.",
         ge=0.0,
         le=1.0,
+    )
+    rate: Literal["length_controlled", "style_controlled", "raw"] = F(
+        "length_controlled",
+        "Which policy-vs-SFT rate the gate reads. `length_controlled`: the rate at equal length (a policy whose "
+        "only gain is longer answers, the classic way an RL policy games a judge, does not pass). "
+        "`style_controlled`: at equal length and equal markdown (headers, lists, bold), after Arena-Hard. "
+        "`raw`: the plain win rate, whatever the judge rewards.",
+    )
+    allow_unadjusted: bool = F(
+        False,
+        "When the controlled rate is not estimable (the policy is longer, or more styled, on nearly every "
+        "prompt, so equal length lies outside the data), gate on the raw rate instead of refusing. The reason "
+        "then says so.",
     )
     min_n: int = F(
         50,

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from rloo_engine.evaluation.report import PairingResult
 from rloo_engine.pipeline.input_checkpoints import CheckpointInfo
+
+# Every numeric statistic of the library's PairingResult, so one added there is logged and handed on as well.
+PAIRING_METRICS = tuple(
+    name for name, f in PairingResult.model_fields.items() if f.annotation in (int, float, float | None)
+)
 
 
 class RewardStats(BaseModel):
@@ -48,11 +54,18 @@ class EvalSummary(BaseModel):
     mlflow_run_id: str
 
 
+def pairing_summary(result: PairingResult) -> dict[str, float | int | str | None]:
+    """What EvalSummary keeps of a pairing: its numbers, and why a controlled rate is missing."""
+    values = result.model_dump()
+    return {k: values.get(k) for k in (*PAIRING_METRICS, "lc_not_estimable", "sc_not_estimable")}
+
+
 class GateDecision(BaseModel):
     passed: bool
     reason: str
-    ci_low: float | None
+    ci_low: float | None  # of the rate gated on
     threshold: float
+    rate: str = "length_controlled"  # promotion.rate: which policy-vs-SFT rate the gate read
 
 
 class Promotion(BaseModel):

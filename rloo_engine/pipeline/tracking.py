@@ -249,6 +249,7 @@ def warning_tags(warnings: list[str]) -> dict[str, str]:
     """{`evaluation.warning.<pairing>.<kind>`: message} for MLflow tags (values cut to MLflow's 5000 characters)."""
     kinds = {
         "position bias": "position_bias",
+        "judge noise": "judge_noise",
         "length-controlled win rate not estimable": "lc_not_estimable",
         "length-controlled": "lc_gap",
         "have no verdict": "failed",

@@ -7,7 +7,9 @@ headers) and answers through a *behaviour*: a function from the parsed request t
 `/chat/completions` is served, whatever comes before it or in its query string (Azure-style
 deployment URLs). Built-in behaviours:
 
-    sensible        prefer the better answer by `answer_quality` (more "good", then longer)
+    sensible        prefer the better answer by `answer_quality` (more "good", then longer); asked for
+                    `logprobs`, answer the letter alone with P(better) = SENSIBLE_CONFIDENCE in its first
+                    token's `top_logprobs`
     always_a        always "Preferred: A" (a maximally position-biased judge)
     rate_limited    429 with Retry-After on the first sight of each request, then sensible
     server_error    500, always
@@ -28,6 +30,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import math
 import re
 import socket
 import sys
@@ -41,7 +44,11 @@ from typing import Any
 
 from rloo_engine.testing.fake_batch_api import FakeBatchAPI
 
-_ANSWERS_RE = re.compile(r"(?:Summary|Response) A:\n(.*?)\n\n(?:Summary|Response) B:\n(.*?)\n\nFIRST", re.DOTALL)
+# The answers of the built-in templates: a verdict-line template goes on with "FIRST", a one-letter one with "Which".
+_ANSWERS_RE = re.compile(
+    r"(?:Summary|Response) A:\n(.*?)\n\n(?:Summary|Response) B:\n(.*?)\n\n(?:FIRST|Which)", re.DOTALL
+)
+SENSIBLE_CONFIDENCE = 0.9  # the sensible judge's P(better answer's letter) when asked for logprobs
 
 
 @dataclass
@@ -65,6 +72,7 @@ class FakeReply:
     error_body: dict[str, Any] | None = None
     body: dict[str, Any] | None = None  # a 200 reply with this body instead of a chat completion
     served_model: str | None = None  # the reply's `model` field; None = the model the request named
+    logprobs: dict[str, Any] | None = None  # the choice's `logprobs` (see `letter_logprobs`); None = left out
 
 
 @dataclass
@@ -88,12 +96,24 @@ def verdict_text(slot: str) -> str:
     return f"Comparison: Answer {slot} covers the important points more precisely.\nPreferred: {slot}"
 
 
+def letter_logprobs(probabilities: dict[str, float]) -> dict[str, Any]:
+    """A chat completion's `logprobs` for a one-token reply: its first token the likeliest of `probabilities`
+    ({token: probability}), which are also its `top_logprobs`, likeliest first."""
+    ranked = sorted(probabilities.items(), key=lambda item: -item[1])
+    top = [{"token": t, "logprob": math.log(p) if p > 0 else -9999.0, "bytes": list(t.encode())} for t, p in ranked]
+    return {"content": [{**top[0], "top_logprobs": top}], "refusal": None}
+
+
 def sensible(req: ChatRequest) -> FakeReply:
     if req.answer_a is None or req.answer_b is None:
         return FakeReply(
             400, error_body={"error": {"message": "could not find the two answers", "type": "invalid_request_error"}}
         )
     slot = "A" if answer_quality(req.answer_a) >= answer_quality(req.answer_b) else "B"
+    if req.body.get("logprobs"):
+        other = "B" if slot == "A" else "A"
+        confidence = {slot: SENSIBLE_CONFIDENCE, other: 1.0 - SENSIBLE_CONFIDENCE}
+        return FakeReply(text=slot, logprobs=letter_logprobs(confidence))
     return FakeReply(text=verdict_text(slot))
 
 
@@ -356,7 +376,12 @@ class FakeOpenAIServer:
                 "created": int(time.time()),
                 "model": reply.served_model or body.get("model", "fake-judge"),
                 "choices": [
-                    {"index": 0, "message": {"role": "assistant", "content": reply.text}, "finish_reason": "stop"}
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": reply.text},
+                        "finish_reason": "stop",
+                        **({"logprobs": reply.logprobs} if reply.logprobs is not None else {}),
+                    }
                 ],
                 "usage": {
                     "prompt_tokens": prompt_tokens,

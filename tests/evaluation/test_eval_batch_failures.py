@@ -257,3 +257,37 @@ def test_the_error_text_of_a_failed_batch_is_redacted(fake_server, make_config):
     rows = err.value.report.table()
     assert len(rows) == 20 and all("invalid_request: key *** has no Batch API quota" in r["error"] for r in rows)
     assert API_KEY not in err.value.report.judgments_path.read_text() and API_KEY not in str(err.value)
+
+
+# ---------------------------------------------------------------- refusals and `content: null` in batch rows (issue 41)
+def _message_reply(message: dict) -> FakeReply:
+    return FakeReply(body={"model": "fake-judge", "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                           "usage": {"prompt_tokens": 50, "completion_tokens": 5, "total_tokens": 55}})
+
+
+def test_a_refused_batch_row_is_a_cached_parse_error_as_live_not_resubmitted(fake_server, make_config):
+    server = fake_server(lambda req: _message_reply({"role": "assistant", "content": None,
+                                                     "refusal": "I can't compare these."}))
+    cfg = make_config(server, judge=BATCH, pairings=["policy_vs_reference"], max_prompts=2)
+    with pytest.raises(UntrustworthyResultError) as err:
+        run_evaluation(cfg)
+    report = err.value.report
+    assert (report.pairings["policy_vs_reference"].n_parse_error, report.pairings["policy_vs_reference"].n_api_error) \
+        == (2, 0)
+    assert all("refused" in row["error"] and "I can't compare" in row["error"] for row in report.table())
+    assert report.judge["batch"]["rows"]["rows_refused"] == 4 and report.usage.prompt_tokens == 200  # billed
+    with pytest.raises(UntrustworthyResultError):
+        run_evaluation(cfg)
+    assert server.batch_api.batches_created == 1  # the refusals are the judge's answer: cached, not resubmitted
+
+
+def test_a_batch_row_with_null_content_and_no_refusal_is_an_uncached_api_error(fake_server, make_config):
+    server = fake_server(lambda req: _message_reply({"role": "assistant", "content": None}))
+    cfg = make_config(server, judge=BATCH, pairings=["policy_vs_reference"], max_prompts=2)
+    with pytest.raises(UntrustworthyResultError) as err:
+        run_evaluation(cfg)
+    assert {row["status"] for row in err.value.report.table()} == {"api_error"}
+    assert all("empty reply" in row["error"] for row in err.value.report.table())
+    with pytest.raises(UntrustworthyResultError):
+        run_evaluation(cfg)
+    assert server.batch_api.batches_created == 2  # an empty reply is retried: the rows go in a new batch

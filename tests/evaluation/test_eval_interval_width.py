@@ -52,3 +52,8 @@ def test_a_set_of_all_ties_keeps_a_width_and_all_wins_the_exact_bound():
     low, high = stats.win_rate_ci(np.full(100, 0.5), 0.95)
     assert low < 0.5 < high and high - low > 0.05
     assert stats.win_rate_ci(np.ones(100), 0.95)[0] == pytest.approx(0.025 ** (1 / 100), abs=1e-9)
+
+
+def test_a_controlled_rate_of_all_wins_keeps_the_exact_interval_not_a_zero_width_bootstrap():
+    scores, len_a, len_b = np.ones(60), np.arange(60) + 5.0, np.full(60, 30.0)
+    assert stats.bootstrap_lc_ci(scores, len_a, len_b, 1000, 0.95, seed=0) == stats.win_rate_ci(scores, 0.95)

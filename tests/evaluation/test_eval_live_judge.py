@@ -173,10 +173,11 @@ def test_one_snapshot_throughout_gives_no_warning(fake_server, make_config):
 
 
 def _as_written_by_an_older_version(cache_path) -> None:
-    """Every cached judgment becomes a parse_error of a cache file from before served_model / parser_version."""
+    """Every cached judgment becomes a parse_error of a cache file from before served_model / parser_version (and
+    slot_a_probability / reference)."""
     with closing(sqlite3.connect(cache_path)) as db:
         columns = {row[1] for row in db.execute("PRAGMA table_info(judgments)")}
-        for name in ("served_model", "parser_version"):
+        for name in ("served_model", "parser_version", "slot_a_probability", "reference"):
             if name in columns:
                 db.execute(f"ALTER TABLE judgments DROP COLUMN {name}")
         db.execute("UPDATE judgments SET status = 'parse_error', verdict = NULL, error = 'no verdict line'")
@@ -211,3 +212,36 @@ def test_a_non_numeric_completion_count_is_estimated_not_a_crash(fake_server, ma
     assert report.pairings["policy_vs_reference"].n_valid == 2
     assert report.usage.prompt_tokens == 120 * report.usage.judgments_made  # the reported count is kept
     assert report.usage.completion_tokens > 0  # the unusable one is estimated
+
+
+# ---------------------------------------------------------------- `content: null` with no refusal text (issue 41)
+def _null_content(req) -> FakeReply:
+    """`content: null` and no `refusal` field: the message carries no answer and no refusal."""
+    message = {"role": "assistant", "content": None}
+    return FakeReply(body={"model": "fake-judge", "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]})
+
+
+def _null_content_then_sensible(req) -> FakeReply:
+    return _null_content(req) if req.seen_before == 0 else sensible(req)
+
+
+def test_null_content_without_a_refusal_is_retried_like_an_empty_reply(fake_server, make_config):
+    server = fake_server(_null_content_then_sensible)
+    report = run_evaluation(make_config(server, **ONE_PAIRING))
+    r = report.pairings["policy_vs_reference"]
+    assert (r.n_valid, r.n_parse_error, r.n_api_error) == (2, 0, 0)
+    assert server.request_count == 8  # 2 prompts x 2 orders, each asked twice
+    assert all(row["status"] == "ok" for row in report.table())
+
+
+def test_null_content_every_time_ends_as_an_uncached_api_error_not_a_refusal(fake_server, make_config):
+    server = fake_server(_null_content)
+    with pytest.raises(UntrustworthyResultError) as err:
+        run_evaluation(make_config(server, **ONE_PAIRING))
+    r = err.value.report.pairings["policy_vs_reference"]
+    assert (r.n_parse_error, r.n_api_error) == (0, 2)
+    assert server.request_count == 12  # every judgment tried max_attempts (3) times
+    rows = err.value.report.table()
+    assert all("empty reply" in row["error"] and "refused" not in row["error"] for row in rows)
+    with closing(sqlite3.connect(err.value.report.cache_path)) as db:
+        assert db.execute("SELECT COUNT(*) FROM judgments").fetchone() == (0,)  # retried again on the next run

@@ -139,7 +139,9 @@ def test_identical_answers_are_a_tie_without_a_call(tmp_path):
 
 
 def test_prompts_without_a_completion_are_counted_not_dropped(tmp_path):
-    report = _run(tmp_path, {"p1": "policy answer"}, {"p1": "r", "p2": "r", "p3": "r"}, function="prefer_longer")
+    # 2 of 3 prompts missing fail the run at the default max_failed_fraction (test_eval_judge_noise_and_missing)
+    report = _run(tmp_path, {"p1": "policy answer"}, {"p1": "r", "p2": "r", "p3": "r"}, function="prefer_longer",
+                  max_failed_fraction=1.0)
     r = report.pairings["policy_vs_reference"]
     assert (r.n, r.n_missing) == (1, 2)
     assert any("2 prompts lack a completion" in w for w in report.warnings)

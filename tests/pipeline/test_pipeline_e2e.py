@@ -98,7 +98,8 @@ def test_nightly_deployment_has_its_schedule_on_the_server(deployed):
 
 def _assert_judgments_are_traces(client, eval_run, judgments: dict) -> None:
     """Each judged prompt reads back through MLflow's API as a trace of the evaluate run, with one verdict
-    feedback per order, and the order disagreements are one tag filter away."""
+    feedback per order and its score, whose mean per pairing is the run's win rate; the order
+    disagreements are one tag filter away."""
     rows = [dict(zip(judgments["columns"], values, strict=True)) for values in judgments["data"]]
     by_prompt: dict[tuple, list[dict]] = {}
     for row in rows:
@@ -107,15 +108,20 @@ def _assert_judgments_are_traces(client, eval_run, judgments: dict) -> None:
     where = {"locations": [eval_run.info.experiment_id], "run_id": eval_run.info.run_id, "max_results": 500}
     traces = client.search_traces(**where)
     assert eval_run.data.tags["evaluation.judgment_traces"] == str(len(by_prompt)) == str(len(traces)) == "48"
+    scores: dict[str, list[float]] = {pairing: [] for pairing in PAIRINGS}
     for trace in traces:
         tags = trace.info.tags
         key = (tags["pairing"], tags["prompt_id"])
         feedback = {a.name: a for a in trace.info.assessments}
+        model_a, model_b = by_prompt[key][0]["model_a"], by_prompt[key][0]["model_b"]
+        scores[tags["pairing"]].append(feedback[f"{model_a}_wins_vs_{model_b}"].value)
         for row in by_prompt[key]:
             if row["order"]:
                 assert feedback[f"verdict_{row['order']}"].value == row["winner"], key
                 assert feedback[f"verdict_{row['order']}"].rationale == row["raw_verdict"], key
         assert tags["consistent"] == ("false" if key in disagreements else "true" if len(by_prompt[key]) == 2 else "n/a")
         assert trace.data.request is not None and row["prompt"] in trace.data.request
+    for pairing, values in scores.items():
+        assert eval_run.data.metrics[f"{pairing}/win_rate"] == pytest.approx(sum(values) / len(values)), pairing
     filtered = client.search_traces(**where, filter_string="tags.consistent = 'false'")
     assert {(t.info.tags["pairing"], t.info.tags["prompt_id"]) for t in filtered} == disagreements

@@ -20,13 +20,12 @@ from rloo_engine.pipeline.stage_results import EvalSummary, TrainStageResult
 
 
 def evaluation(ci_low: float | None, pairing: str = "policy_vs_sft", n: int = 64) -> EvalSummary:
-    result = {
+    raw = {
         "win_rate": None if ci_low is None else ci_low + 0.1,
         "ci_low": ci_low,
         "ci_high": None if ci_low is None else min(1.0, ci_low + 0.2),
-        "n": n,
-        "n_valid": n if ci_low else 0,
     }
+    result = {**raw, **{f"lc_{k}": v for k, v in raw.items()}, "n": n, "n_valid": n if ci_low else 0}
     return EvalSummary(
         pairings={pairing: result},
         paired_difference=None,
@@ -40,10 +39,10 @@ def evaluation(ci_low: float | None, pairing: str = "policy_vs_sft", n: int = 64
 @pytest.mark.parametrize(
     ("ci_low", "threshold", "passed", "reason"),
     [
-        (0.55, 0.5, True, "policy_vs_sft CI lower bound 0.550 >= min_ci_low 0.500"),
+        (0.55, 0.5, True, "policy_vs_sft length-controlled win rate CI lower bound 0.550 >= min_ci_low 0.500"),
         (0.50, 0.5, True, ">= min_ci_low 0.500"),
-        (0.45, 0.5, False, "policy_vs_sft CI lower bound 0.450 < min_ci_low 0.500"),
-        (None, 0.5, False, "has no confidence interval (0 valid judgments of 64)"),
+        (0.45, 0.5, False, "policy_vs_sft length-controlled win rate CI lower bound 0.450 < min_ci_low 0.500"),
+        (None, 0.5, False, "has 0 valid prompts, fewer than promotion.min_n 50"),
     ],
 )
 def test_gate_compares_the_policy_vs_sft_ci_lower_bound_with_the_threshold(ci_low, threshold, passed, reason):

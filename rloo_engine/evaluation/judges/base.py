@@ -3,7 +3,8 @@
 A `SlotPair` is what one judge call sees: a prompt and two answers in the slots they are shown
 in (A first). Every judgment ends in exactly one status:
 
-- `ok`: a verdict `A`, `B` or `tie` (ties come from score-based judges within their margin);
+- `ok`: a verdict `A`, `B` or `tie` (ties come from score-based judges within their margin); a soft verdict
+  (`judge.verdict: logprobs`) also carries `slot_a_probability`, and `verdict` is its argmax;
 - `parse_error`: the judge answered, but its verdict did not parse even after one re-ask, or it refused
   to judge (a refusal is not re-asked);
 - `api_error`: the call failed after its bounded retries.
@@ -30,11 +31,13 @@ OnJudgment = Callable[[int, "Judgment"], None]
 
 @dataclass(frozen=True)
 class SlotPair:
-    """One judge call's input: the prompt text and the answers as shown, `answer_a` in slot A."""
+    """One judge call's input: the prompt text and the answers as shown, `answer_a` in slot A, and the prompt's
+    gold answer for a reference-guided template (None for the others)."""
 
     prompt: str
     answer_a: str
     answer_b: str
+    reference: str | None = None
 
 
 @dataclass
@@ -52,6 +55,7 @@ class Judgment:
     batch_completion_tokens: int = 0
     served_model: str | None = None  # the model id the endpoint's reply named (gpt-4o -> gpt-4o-2024-08-06)
     parser_version: int | None = None  # `parsing.PARSER_VERSION` of the verdict parse; None: no text was parsed
+    slot_a_probability: float | None = None  # soft verdict: P(A) / (P(A) + P(B)); None for a hard verdict
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), ensure_ascii=False)

@@ -61,7 +61,7 @@ class HFJudge(Judge):
         """Token ids of the judge prompt up to and including the verdict prefix (left-truncated to max_length)."""
         self._load()
         tok = self._tokenizer
-        messages = self.template.render(pair.prompt, pair.answer_a, pair.answer_b)
+        messages = self.template.render(pair.prompt, pair.answer_a, pair.answer_b, pair.reference)
         if tok.chat_template:
             text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         else:

@@ -15,10 +15,11 @@ results within the completion window (24 h).
 4. Polls back off from `batch_poll_initial_s` to `batch_poll_max_s` until the batch ends
    (completed, expired, cancelled or failed), then the output and error files are downloaded and
    mapped back by custom id (batch_api.py).
-5. Every row is accounted for: a 200 reply is parsed like a live one (a reply that does not parse
-   is re-asked once, live); an expired, cancelled or failed row, a malformed line, or a row with no
-   result at all, is an `api_error` that is not cached, so the next run re-submits it, or, with
-   `batch_unfinished: live`, it is judged live at once.
+5. Every row is accounted for: a 200 reply is read like a live one (a reply that does not parse
+   is re-asked once, live; a refusal is a parse_error; rows of a logprobs verdict without
+   log-probabilities stop the run once their batch is collected); an expired, cancelled or failed row,
+   a malformed line, or a row with no result at all, is an `api_error` that is not cached, so the next
+   run re-submits it, or, with `batch_unfinished: live`, it is judged live at once.
 """
 
 from __future__ import annotations
@@ -42,7 +43,14 @@ from rloo_engine.evaluation.errors import BudgetExceededError, ConfigError, reda
 from rloo_engine.evaluation.judges.base import Judgment, OnJudgment, SlotPair
 from rloo_engine.evaluation.judges.batch_api import BatchAPIClient
 from rloo_engine.evaluation.judges.batch_files import BatchResults, custom_id, request_line, split_into_files
-from rloo_engine.evaluation.judges.openai_judge import OpenAIJudge, _reply_text, served_model, token_count
+from rloo_engine.evaluation.judges.openai_judge import (
+    OpenAIJudge,
+    Reply,
+    _reply_text,
+    refusal_text,
+    served_model,
+    token_count,
+)
 from rloo_engine.evaluation.submission_locks import SubmissionLocks
 from rloo_engine.evaluation.templates import JudgeTemplate
 
@@ -139,6 +147,8 @@ class OpenAIBatchJudge(OpenAIJudge):
                 await self._collect(sub, reqs, done)
                 for cid in sub.custom_ids:
                     remaining.pop(cid, None)
+            if self._stopped is not None:  # rows every other request would repeat (no logprobs): no further round
+                raise self._stopped
         if leftovers:
             self.counts["rows_judged_live"] += len(leftovers)
             log.info("batch: judging %d unfinished rows live (batch_unfinished: live)", len(leftovers))
@@ -151,7 +161,7 @@ class OpenAIBatchJudge(OpenAIJudge):
         return results  # type: ignore[return-value]
 
     def _requests(self, pairs: Sequence[SlotPair]) -> Requests:
-        messages = [self.template.render(p.prompt, p.answer_a, p.answer_b) for p in pairs]
+        messages = [self.template.render(p.prompt, p.answer_a, p.answer_b, p.reference) for p in pairs]
         ids = [custom_id(self._body(m)) for m in messages]
         index = {cid: i for i, cid in enumerate(ids)}
         if len(index) != len(ids):
@@ -284,8 +294,15 @@ class OpenAIBatchJudge(OpenAIJudge):
             judgment.status = "api_error"
             judgment.error = f"batch {batch_id}: row failed: HTTP {status}: {redact(str(detail), self._secret)[:200]}"
             return judgment
+        refusal = refusal_text(body)
+        if refusal is not None:  # the judge's answer, as live: a parse_error, not re-submitted
+            self.counts["rows_refused"] += 1
+            self._record_row_usage(body, messages, refusal, judgment)
+            judgment.status = "parse_error"
+            judgment.error = f"batch {batch_id}: the judge refused to answer: {redact(refusal, self._secret)[:300]}"
+            return judgment
         text = _reply_text(body)
-        if text is None or not text.strip():
+        if text is None or not self.answers(text, body):
             self.counts["rows_failed"] += 1
             what = "empty reply" if text is not None else "malformed response (not a chat completion)"
             judgment.status, judgment.error = "api_error", f"batch {batch_id}: row failed: {what}"
@@ -293,6 +310,18 @@ class OpenAIBatchJudge(OpenAIJudge):
         self.counts["rows_completed"] += 1
         judgment.served_model = served_model(body)
         text = redact(text, self._secret)
+        self._record_row_usage(body, messages, text, judgment)
+        if self.verdict_mode == "logprobs":
+            return self._soft_verdict(judgment, Reply(text, body))
+        reasks_before = len(judgment.raw_texts)
+        judgment = await self._verdict(judgment, messages, text)
+        if len(judgment.raw_texts) > reasks_before + 1:
+            self.counts["rows_reasked_live"] += 1
+        return judgment
+
+    def _record_row_usage(self, body: dict[str, Any], messages: list[dict[str, str]], text: str,
+                          judgment: Judgment) -> None:
+        """A row's tokens, billed at batch prices."""
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
         prompt_chars = sum(len(m["content"]) for m in messages)
         # Some compatible servers omit usage or fill it oddly; estimate (~4 characters per token) so budgets count.
@@ -301,8 +330,3 @@ class OpenAIBatchJudge(OpenAIJudge):
         self.spend.record(prompt_chars, pt, ct, batch=True)
         judgment.prompt_tokens, judgment.completion_tokens = pt, ct
         judgment.batch_prompt_tokens, judgment.batch_completion_tokens = pt, ct
-        reasks_before = len(judgment.raw_texts)
-        judgment = await self._verdict(judgment, messages, text)
-        if len(judgment.raw_texts) > reasks_before + 1:
-            self.counts["rows_reasked_live"] += 1
-        return judgment

@@ -8,9 +8,14 @@ through the official openai client.
 Every retry is visible and bounded here: 429, 408/409, 5xx, timeouts and connection errors back off
 exponentially with jitter (honouring `Retry-After`) up to `max_attempts`, then the judgment is an
 `api_error`. 401, 403, 404 and a 429 whose code is `insufficient_quota` raise `JudgeEndpointError` at
-once, since every other request would fail the same way. A refusal (`content: null`) is the judge's
-answer, not a transient failure: a `parse_error` at once, neither retried nor re-asked. A semaphore
-bounds the requests in flight, and an optional limiter spaces them to a requests-per-minute rate.
+once, since every other request would fail the same way. A refusal (a `refusal` text and no content) is the
+judge's answer, not a transient failure: a `parse_error` at once, neither retried nor re-asked; `content: null`
+without a refusal text is an empty reply, retried. A semaphore bounds the requests in flight, and an optional
+limiter spaces them to a requests-per-minute rate.
+
+`judge.verdict: text` parses the reply's verdict line (one re-ask when it does not parse); `judge.verdict:
+logprobs` reads the letters' probabilities at the reply's first token instead (logprob_verdict.py), and stops
+the run at the first reply that carries no log-probabilities, since every other reply would lack them too.
 
 The API key lives only inside the clients; messages that might echo it are redacted.
 """
@@ -22,6 +27,7 @@ import logging
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from rloo_engine.evaluation.budget import SpendTracker
@@ -37,6 +43,12 @@ from rloo_engine.evaluation.judges.chat_http import (
     ResponseTooLarge,
     auth_headers,
     chat_completions_url,
+)
+from rloo_engine.evaluation.judges.logprob_verdict import (
+    first_token_alternatives,
+    hard_verdict,
+    shown_alternatives,
+    slot_a_probability,
 )
 from rloo_engine.evaluation.parsing import PARSER_VERSION, parse_verdict
 from rloo_engine.evaluation.ratelimit import RateLimiter
@@ -56,6 +68,18 @@ _QUOTA_HINT = (
     "insufficient_quota: the account's quota or credit is used up, and retrying cannot help; add credit or raise "
     "the limit, then rerun (finished judgments are cached)"
 )
+# verdict logprobs: this many replies without either letter among their first token's alternatives, before any
+# reply had one, stop the run (the template or model does not answer with one letter). More than one, so a
+# single odd prompt judged first does not stop a run that would have gone well.
+_LETTERLESS_REPLIES_LIMIT = 3
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A reply that answers: its text (redacted) and the whole chat completion (a logprobs verdict reads it)."""
+
+    text: str
+    body: dict[str, Any]
 
 
 class OpenAIJudge(Judge):
@@ -68,7 +92,9 @@ class OpenAIJudge(Judge):
         self.template = template
         self.spend = spend
         self.temperature = cfg.temperature
-        self.max_tokens = cfg.max_tokens
+        self.max_tokens = cfg.reply_max_tokens
+        self.verdict_mode = cfg.verdict
+        self.top_logprobs = cfg.top_logprobs
         self.max_tokens_param = cfg.max_tokens_param
         self.extra_body = dict(cfg.extra_body)
         self.timeout_s = cfg.timeout_s
@@ -95,6 +121,9 @@ class OpenAIJudge(Judge):
         self._connect_failures = 0
         self._reached = False
         self._warned_no_usage = False
+        # verdict logprobs: until one reply has a letter among its first token's alternatives, letterless replies count.
+        self._letters_seen = False
+        self._letterless_replies = 0
 
     def __repr__(self) -> str:
         return f"OpenAIJudge(model={self.model!r}, base_url={self.base_url!r})"
@@ -105,7 +134,7 @@ class OpenAIJudge(Judge):
 
     def identity(self) -> dict[str, Any]:
         # base_url is left out on purpose: one model served from another host gives the same verdicts.
-        return {
+        identity = {
             "backend": self.backend,
             "model": self.model,
             "template": self.template.hash,
@@ -114,6 +143,9 @@ class OpenAIJudge(Judge):
             "extra_body": self.extra_body,
             "reask": self.reask,
         }
+        if self.verdict_mode == "logprobs":  # only then: the keys of text verdicts cached before stay valid
+            identity.update(verdict="logprobs", top_logprobs=self.top_logprobs)
+        return identity
 
     async def judge(self, pairs: Sequence[SlotPair], on_judgment: OnJudgment | None = None) -> list[Judgment]:
         results: list[Judgment | None] = [None] * len(pairs)
@@ -149,11 +181,13 @@ class OpenAIJudge(Judge):
 
     async def _judge_pair(self, pair: SlotPair) -> Judgment:
         judgment = Judgment(status="ok")
-        messages = self.template.render(pair.prompt, pair.answer_a, pair.answer_b)
-        text = await self._complete(messages, judgment)
-        if text is None:
+        messages = self.template.render(pair.prompt, pair.answer_a, pair.answer_b, pair.reference)
+        reply = await self._complete(messages, judgment)
+        if reply is None:
             return judgment
-        return await self._verdict(judgment, messages, text)
+        if self.verdict_mode == "logprobs":
+            return self._soft_verdict(judgment, reply)
+        return await self._verdict(judgment, messages, reply.text)
 
     async def _verdict(self, judgment: Judgment, messages: list[dict[str, str]], text: str) -> Judgment:
         """Parses the first reply `text`; re-asks once (live) when it does not parse."""
@@ -165,11 +199,11 @@ class OpenAIJudge(Judge):
                 {"role": "assistant", "content": text},
                 {"role": "user", "content": self.template.reask_text},
             ]
-            text = await self._complete(messages + followup, judgment)
-            if text is None:
+            reply = await self._complete(messages + followup, judgment)
+            if reply is None:
                 return judgment
-            judgment.raw_texts.append(text)
-            verdict = parse_verdict(text, self.template.verdict_prefix)
+            judgment.raw_texts.append(reply.text)
+            verdict = parse_verdict(reply.text, self.template.verdict_prefix)
         if verdict is None:
             judgment.status = "parse_error"
             judgment.error = f"no final `{self.template.verdict_prefix}: A|B` line in {len(judgment.raw_texts)} replies"
@@ -177,7 +211,55 @@ class OpenAIJudge(Judge):
             judgment.verdict = verdict
         return judgment
 
+    def _soft_verdict(self, judgment: Judgment, reply: Reply) -> Judgment:
+        """The verdict of a one-letter reply from its first token's log-probabilities (logprob_verdict.py).
+
+        No log-probabilities at all is the endpoint's doing, and every other reply would lack them too: the
+        judgment is an api_error and the run stops. Neither letter among them is this reply's answer: a
+        parse_error, which stops the run only while no reply has had a letter."""
+        judgment.raw_texts.append(reply.text)
+        alternatives = first_token_alternatives(reply.body)
+        if alternatives is None:
+            judgment.status, judgment.error = "api_error", self._no_logprobs_message()
+            self._stopped = self._stopped or JudgeEndpointError(judgment.error)
+            return judgment
+        p_slot_a = slot_a_probability(alternatives)
+        if p_slot_a is None:
+            shown = redact(shown_alternatives(alternatives), self._secret)
+            judgment.status = "parse_error"
+            judgment.error = (
+                f"judge endpoint {self.base_url}: neither `A` nor `B` among the {len(alternatives)} alternatives of "
+                f"the reply's first token ({shown})"
+            )
+            self._count_letterless_reply(judgment.error)
+            return judgment
+        self._letters_seen = True
+        judgment.slot_a_probability, judgment.verdict = p_slot_a, hard_verdict(p_slot_a)
+        return judgment
+
+    def _no_logprobs_message(self) -> str:
+        return (
+            f"judge endpoint {self.base_url} returned no log-probabilities for model {self.model!r}: the reply has "
+            "no `choices[0].logprobs.content[0].top_logprobs`, which judge.verdict: logprobs reads. Judge with a "
+            "model and server that return them for `logprobs: true` (OpenAI reasoning models and some compatible "
+            "servers do not), or with judge.verdict: text"
+        )
+
+    def _count_letterless_reply(self, error: str) -> None:
+        """Stops the run when the first replies all lack both letters: the template or model is not answering A/B."""
+        if self._letters_seen:
+            return
+        self._letterless_replies += 1
+        if self._letterless_replies >= _LETTERLESS_REPLIES_LIMIT and self._stopped is None:
+            self._stopped = JudgeEndpointError(
+                f"the first {self._letterless_replies} replies of model {self.model!r} had no verdict letter to read "
+                f"(last: {error}); judge.verdict: logprobs needs a template that makes the judge answer with the "
+                f"single letter A or B (judge.template: {self.template.source}; e.g. tldr_letter, helpfulness_letter)"
+            )
+
     def reparse(self, judgment: Judgment) -> bool:
+        if self.verdict_mode == "logprobs":
+            return False  # a soft verdict is read from log-probabilities, which are not stored: nothing to parse
         if judgment.status != "parse_error" or judgment.parser_version == PARSER_VERSION:
             return False
         judgment.parser_version = PARSER_VERSION
@@ -188,8 +270,8 @@ class OpenAIJudge(Judge):
             judgment.status, judgment.verdict, judgment.error = "ok", verdict, None
         return True
 
-    async def _complete(self, messages: list[dict[str, str]], judgment: Judgment) -> str | None:
-        """The reply text, or None after marking `judgment` as an api_error (or, for a refusal, a parse_error).
+    async def _complete(self, messages: list[dict[str, str]], judgment: Judgment) -> Reply | None:
+        """The reply, or None after marking `judgment` as an api_error (or, for a refusal, a parse_error).
         Raises on fatal errors."""
         prompt_chars = sum(len(m["content"]) for m in messages)
         error = ""
@@ -230,7 +312,7 @@ class OpenAIJudge(Judge):
                     error = f"connection error: {redact(str(err), self._secret)[:300]}"
                 else:
                     self._reached = True
-                    refusal = _refusal(response)
+                    refusal = refusal_text(response)
                     if refusal is not None:
                         self._record_usage(response, prompt_chars, refusal, judgment)  # a refusal is billed too
                         judgment.status = "parse_error"
@@ -238,15 +320,15 @@ class OpenAIJudge(Judge):
                         return None
                     # Text from the endpoint is stored (table, cache) and logged: never with the key in it.
                     text = _reply_text(response)
-                    if text is not None and text.strip():
+                    if text is not None and self.answers(text, response):
                         text = redact(text, self._secret)
                         self._record_usage(response, prompt_chars, text, judgment)
                         judgment.served_model = served_model(response)
-                        return text
+                        return Reply(text, response)
                     if text is None:
                         shown = redact(str(response), self._secret)[:200]
                         error = f"malformed response (not a chat completion): {shown!r}"
-                    else:  # an empty reply is a transient failure a retry fixes, not the judge's verdict
+                    else:  # an empty reply (content "" or null) is a transient failure a retry fixes, not a verdict
                         error = f"empty reply (finish_reason {_finish_reason(response)!r})"
                 finally:
                     self.spend.release(reservation)
@@ -257,6 +339,13 @@ class OpenAIJudge(Judge):
         judgment.status = "api_error"
         judgment.error = f"{error} (gave up after {self.retry.max_attempts} attempts)"
         return None
+
+    def answers(self, text: str, response: dict[str, Any]) -> bool:
+        """Whether a reply is an answer: text, or for a logprobs verdict the first token's alternatives (a
+        whitespace token still carries the letters' probabilities)."""
+        if text.strip():
+            return True
+        return self.verdict_mode == "logprobs" and first_token_alternatives(response) is not None
 
     def _count_connect_failure(self, error: str) -> None:
         """Stops the run when the endpoint has never answered and the first requests all failed to connect."""
@@ -272,13 +361,16 @@ class OpenAIJudge(Judge):
             raise self._stopped
 
     def _body(self, messages: list[dict[str, str]]) -> dict[str, Any]:
-        return {
+        body = {
             "model": self.model,
             "messages": messages,
             "temperature": self.temperature,
             self.max_tokens_param: self.max_tokens,
             **self.extra_body,
         }
+        if self.verdict_mode == "logprobs":
+            body.update(logprobs=True, top_logprobs=self.top_logprobs)
+        return body
 
     def _record_usage(self, response: dict[str, Any], prompt_chars: int, text: str, judgment: Judgment) -> None:
         usage = response.get("usage") or {}
@@ -315,25 +407,22 @@ def fatal_hint(err: HTTPStatusFailure) -> str | None:
     return _FATAL_HINTS[err.status_code] if err.status_code in FATAL_STATUS else None
 
 
-def _refusal(response: Any) -> str | None:
-    """What a chat completion that declines to answer says (its `refusal`, else its finish_reason); None otherwise.
+def refusal_text(response: Any) -> str | None:
+    """The `refusal` text of a chat completion that declines to answer; None otherwise.
 
-    A refusal has `content: null` (the refusal text, if any, in `refusal`); asking again at the same temperature
-    gets the same answer, so it is not retried like an empty string reply."""
+    A refusal is a non-empty `refusal` with no answer in `content`; asking again at the same temperature gets the
+    same answer, so it is not retried. `content: null` without a refusal text says nothing about the judge's
+    answer (servers send it for an empty generation too), so it is retried like an empty string reply."""
     try:
         message = response["choices"][0]["message"]
     except (TypeError, KeyError, IndexError):
         return None
     if not isinstance(message, dict):
         return None
-    refusal = message.get("refusal")
     if isinstance(message.get("content"), str) and message["content"].strip():
         return None  # an answer, whatever else the message carries
-    if isinstance(refusal, str) and refusal.strip():
-        return refusal
-    if "content" in message and message["content"] is None:
-        return f"no content (finish_reason {_finish_reason(response)!r})"
-    return None
+    refusal = message.get("refusal")
+    return refusal if isinstance(refusal, str) and refusal.strip() else None
 
 
 def served_model(response: Any) -> str | None:
