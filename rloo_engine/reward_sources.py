@@ -66,15 +66,17 @@ class RewardModelSource:
         max_length: int = 1024,
         share_prompts: bool = True,
         say=stderr,
+        trust_remote_code: bool = False,
     ):
-        num_labels = _load_or_raise(path_or_id, lambda: AutoConfig.from_pretrained(path_or_id)).num_labels
+        code = {"trust_remote_code": trust_remote_code}  # `trust_remote_code` of the run, as TRL applies it here too
+        num_labels = _load_or_raise(path_or_id, lambda: AutoConfig.from_pretrained(path_or_id, **code)).num_labels
         if num_labels != 1:
             raise ConfigError(
                 f"reward_model: {path_or_id} has num_labels={num_labels}; a reward model must have num_labels=1"
             )
         self.path, self.device = path_or_id, torch.device(device)
         self.batch_size, self.max_length = batch_size, max_length
-        self.tokenizer = _load_or_raise(path_or_id, lambda: AutoTokenizer.from_pretrained(path_or_id))
+        self.tokenizer = _load_or_raise(path_or_id, lambda: AutoTokenizer.from_pretrained(path_or_id, **code))
         if self.tokenizer.pad_token is None:
             if self.tokenizer.eos_token is None:
                 raise ConfigError(f"reward_model: {path_or_id} tokenizer has neither a pad nor an eos token")
@@ -82,7 +84,7 @@ class RewardModelSource:
         # Left truncation keeps the end of the completion, which is where the score is read.
         self.tokenizer.truncation_side = "left"
         self.model = _load_or_raise(
-            path_or_id, lambda: AutoModelForSequenceClassification.from_pretrained(path_or_id, dtype=dtype)
+            path_or_id, lambda: AutoModelForSequenceClassification.from_pretrained(path_or_id, dtype=dtype, **code)
         )
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.to(self.device).eval()
@@ -428,6 +430,7 @@ def build_reward_sources(cfg: RLOOConfig, device: str | torch.device, say=stderr
     sources: list[RewardSource] = []
     if cfg.reward_model_name_or_path:
         sources.append(RewardModelSource(cfg.reward_model_name_or_path, device=device, dtype=DTYPES[cfg.dtype],
-                                         share_prompts=cfg.share_prompt_forward, say=say))
+                                         share_prompts=cfg.share_prompt_forward, say=say,
+                                         trust_remote_code=cfg.trust_remote_code))
     sources.extend(load_reward_function(path) for path in cfg.reward_funcs)
     return sources

@@ -6,7 +6,6 @@ each process samples its own prompts, so the leave-one-out baseline needs no com
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from collections import defaultdict
@@ -16,7 +15,6 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
-from transformers import get_scheduler
 
 from rloo_engine import algorithm as A
 from rloo_engine.batch import GenerationBatch, generation_metrics
@@ -48,16 +46,19 @@ from rloo_engine.logprobs import (
     completion_token_logps,
     shared_prompt_difference,
 )
+from rloo_engine.machine_flags import settle_machine_flags
 from rloo_engine.metrics import MetricsLogger, reduce_window, window_values
 from rloo_engine.models import (
     eos_token_ids,
+    hub_kwargs,
     load_policy,
     load_reference,
     load_tokenizer,
     reference_context,
     sync_reference,
 )
-from rloo_engine.progress import progress_bar
+from rloo_engine.optim import build_optimizer, build_scheduler
+from rloo_engine.progress import format_metric, metric_line, progress_bar
 from rloo_engine.prompt_feed import PromptFeed
 from rloo_engine.reward_sources import EmptySourceWatch, RewardModelSource, build_reward_sources, compute_rewards
 from rloo_engine.run import checkpoint as ckpt
@@ -80,6 +81,7 @@ class RLOOTrainer:
     def __init__(self, cfg: RLOOConfig, backend: GenerationBackend | None = None):
         self.cfg = cfg
         self.acc = build_accelerator(cfg)
+        settle_machine_flags(cfg, self.acc, self._say)  # tf32, log_level, GPU-only options, a DeepSpeed JSON
         # Before anything loads: reward imports, tokenizer sizes, output_dir, this run's lock, the checkpoint.
         self.run_lock, self.resume_path = claim_output_dir(cfg, self.acc)
         self.steps_per_generation = cfg.steps_per_generation_for(self.acc.num_processes)
@@ -87,9 +89,9 @@ class RLOOTrainer:
         set_seed(cfg.seed)
         # Cheap checks first: a bad dataset or reward function fails before any model is loaded.
         self.dataset = load_prompt_dataset(cfg.dataset_name, cfg.dataset_config, cfg.dataset_train_split)
-        self.tokenizer = load_tokenizer(cfg.model_name_or_path)
-        self.model_eos_ids = eos_token_ids(self.tokenizer, cfg.model_name_or_path)
-        self.position_limit = model_position_limit(cfg.model_name_or_path)
+        self.tokenizer = load_tokenizer(cfg.model_name_or_path, cfg)
+        self.model_eos_ids = eos_token_ids(self.tokenizer, cfg.model_name_or_path, cfg.model_revision)
+        self.position_limit = model_position_limit(cfg.model_name_or_path, **hub_kwargs(cfg))
         self.prompt_budget = prompt_token_budget(cfg, self.position_limit)
         if self.prompt_budget != cfg.max_prompt_length and self.acc.is_main_process:
             print(f"rloo-engine: max_prompt_length {cfg.max_prompt_length or 'unlimited'} + max_completion_length "
@@ -99,18 +101,10 @@ class RLOOTrainer:
         self.reward_watch = EmptySourceWatch(self.reward_sources, cfg.reward_source_max_empty_steps)
         self.policy = load_policy(cfg)
         self.ref = load_reference(cfg)
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        # Fused where torch has the kernel, as TRL's (transformers') default `adamw_torch_fused`: one CPU step of a
-        # 31.7M-parameter model took 37 ms against 133 for the per-tensor loop (bench/README.md).
-        fused = all(p.device.type in ("cpu", "cuda") for p in params) or None
-        self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
-            fused=fused,
-        )
+        self.optimizer = build_optimizer(cfg, [p for p in self.policy.parameters() if p.requires_grad], self._say)
         self.total_steps = cfg.total_steps_for(len(self.dataset), self.acc.num_processes)
-        warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * self.total_steps)
         # Not passed to accelerate.prepare: its wrapper steps num_processes times per call.
-        self.scheduler = get_scheduler(cfg.lr_scheduler_type, self.optimizer, warmup, self.total_steps)
+        self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps)
         fill_deepspeed_config(self.acc, cfg)
         self.policy, self.optimizer = self.acc.prepare(self.policy, self.optimizer)
         self.acc.register_for_checkpointing(self.scheduler)
@@ -132,7 +126,7 @@ class RLOOTrainer:
                                cfg.num_generations, lambda: self.backend, submit_ahead=cfg.async_generation)
         self.logger = MetricsLogger(cfg.output_dir, self.acc.is_main_process, cfg.run_name,
                                     {f"train.{k}": v for k, v in cfg.model_dump().items()},
-                                    continue_run=bool(cfg.resume_from_checkpoint))
+                                    continue_run=bool(cfg.resume_from_checkpoint), trackers=cfg.trackers())
         self.global_step = 0
         self.synced_step = -1  # optimizer step whose weights the generation backend holds
         self.batch: GenerationBatch | None = None
@@ -404,9 +398,13 @@ class RLOOTrainer:
             if c.sync_ref_model and self.ref is not None and self.global_step % c.ref_model_sync_steps == 0:
                 with gathered_for_update(self.acc, self.policy, self.ref):
                     sync_reference(self.acc.unwrap_model(self.policy), self.ref, c.ref_model_mixup_alpha)
-            if self.global_step % c.logging_steps == 0 or self.global_step == self.total_steps:
+            if (self.global_step % c.logging_steps == 0 or self.global_step == self.total_steps
+                    or (c.logging_first_step and self.global_step == 1)):
                 last = self._log()
-                bar.set_postfix(reward=f"{last.get('reward', float('nan')):.3f}", kl=f"{last.get('kl', 0):.3f}")
+                if self.acc.is_main_process:  # TRL prints each logging step's metrics, with or without a bar
+                    bar.write(metric_line(last), file=sys.stderr)
+                bar.set_postfix(reward=format_metric(last.get("reward", float("nan"))),
+                                kl=format_metric(last.get("kl", 0.0)))
             maybe_kill(self.global_step, "logged")
             bar.update(1)
             if c.save_steps and self.global_step % c.save_steps == 0 and self.global_step < self.total_steps:
@@ -419,7 +417,8 @@ class RLOOTrainer:
         self.feed.drain()  # a batch the run turned out not to need: the server must finish it first
         if getattr(self.backend, "serves_after_training", False) and self.synced_step != self.global_step:
             self._sync_backend()  # a server outlives the run: leave it serving the trained policy
-        final = ckpt.save_final(self.acc, self.policy, self.tokenizer, out, self._fresh_policy)
+        final = ckpt.save_final(self.acc, self.policy, self.tokenizer, out, self._fresh_policy,
+                                save_merged=c.save_merged_model)
         self.logger.finish_run()
         return TrainResult(self.global_step, final, self.logger.path, last, self.logger.run_id)
 

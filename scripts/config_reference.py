@@ -7,6 +7,7 @@ import importlib
 import sys
 from pathlib import Path
 
+from rloo_engine import trl_fields
 from rloo_engine.config_docs import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,6 +22,14 @@ SECTIONS = [
      "`python -m flows.rlhf_pipeline --config ...` and the Prefect deployments' `cfg` parameter."),
 ]
 
+TRL_SECTION = (
+    "\n### Every `trl rloo` option (TRL 1.16)\n\n"
+    "What each field of `trl rloo` (its script arguments, TRL's `RLOOConfig` with transformers' `TrainingArguments`, "
+    "`ModelConfig`, `DatasetMixtureConfig`) does in `rloo-engine train`, on the command line and in a `--config` "
+    "file alike; from `rloo_engine/trl_fields.py`, which tests/engine/test_trl_parity.py checks against TRL's own "
+    "parser. "
+)
+
 
 def render() -> str:
     parts = ["# Configuration reference\n",
@@ -32,6 +41,8 @@ def render() -> str:
         except (ImportError, AttributeError):
             continue
         parts.append(f"\n## {heading}\n\nUsed by {used}\n\n{markdown_table(cls)}")
+        if target == "rloo_engine.config:RLOOConfig":
+            parts.append(TRL_SECTION + trl_fields.markdown_table())
     return "".join(parts)
 
 

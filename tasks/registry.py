@@ -1,7 +1,8 @@
 """Task `register_policy`: the promotion gate, and registration of a passing policy in the MLflow Model Registry.
 
 The gate: the lower bound of the policy-vs-SFT win-rate CI must reach `tracking.promotion.min_ci_low`.
-A passing policy's checkpoint is logged as a LoggedModel of MLflow's transformers flavor
+A passing policy's checkpoint (for a LoRA run the merged copy, `final-merged/`: a whole model that MLflow serves
+without the base; tag `rloo.weights` says which) is logged as a LoggedModel of MLflow's transformers flavor
 (`rloo_engine/pipeline/policy_model.py`) with the training run as its source run and this stage's run as a user of
 it, registered from that model, and the alias (e.g. `candidate`) is moved to the new version.
 Registration and the steps after it run in a Prefect transaction: if anything fails after the
@@ -98,8 +99,8 @@ def register_model_version(
         train_run_id=trained.mlflow_run_id,
         step=trained.global_step,
         description=f"Trained from `{sft.source}` (sha256 {sft.digest[:12]}) for {trained.global_step} steps; "
-        f"promoted because {gate_reason}.",
-        tags={"rloo.sft_digest": sft.digest, "rloo.stage": "train"},
+        f"promoted because {gate_reason}. {_weights_note(trained)}",
+        tags={"rloo.sft_digest": sft.digest, "rloo.stage": "train", **_weights_tags(trained)},
     )
     model_id = model_uri.removeprefix("models:/")
     c.log_inputs(stage.run_id, models=[LoggedModelInput(model_id)])  # the register run used this model
@@ -181,7 +182,7 @@ def describe_model_version(
         f"{GATE_PAIRING}.ci_low": gate.get("ci_low"),
         f"{GATE_PAIRING}.ci_high": gate.get("ci_high"),
     }
-    for key, value in tags.items():
+    for key, value in {**tags, **_weights_tags(trained)}.items():
         c.set_model_version_tag(registered.model_name, registered.version, key, str(value))
     c.update_model_version(registered.model_name, registered.version, description=_version_description(trained, gate))
 
@@ -191,8 +192,24 @@ def _version_description(trained: TrainStageResult, gate: dict) -> str:
     return (
         f"RLOO policy after {trained.global_step} steps (reward {reward.get('reward_start', float('nan')):.4f} -> "
         f"{reward.get('reward_end', float('nan')):.4f}); {GATE_PAIRING} win rate {gate.get('win_rate')} "
-        f"CI [{gate.get('ci_low')}, {gate.get('ci_high')}]."
+        f"CI [{gate.get('ci_low')}, {gate.get('ci_high')}]. {_weights_note(trained)}"
     )
+
+
+def _weights_tags(trained: TrainStageResult) -> dict[str, str]:
+    """`rloo.weights`: `full` (all weights trained) or `lora-merged` (a LoRA run's adapter merged into the SFT base);
+    either way the registered model is a whole causal LM that `mlflow.pyfunc.load_model` and `mlflow models serve`
+    run without the base. A LoRA version also names the adapter it was merged from."""
+    if trained.adapter_dir is None:
+        return {"rloo.weights": "full"}
+    return {"rloo.weights": "lora-merged", "rloo.adapter_dir": trained.adapter_dir}
+
+
+def _weights_note(trained: TrainStageResult) -> str:
+    if trained.adapter_dir is None:
+        return "Weights: the full fine-tuned model."
+    return (f"Weights: the LoRA adapter merged into the SFT base (a whole model, servable alone); the adapter itself "
+            f"is `{trained.adapter_dir}` (PEFT layout, base = the SFT checkpoint).")
 
 
 def _alias_version(c, name: str, alias: str) -> str | None:

@@ -93,7 +93,8 @@ def train_rloo(
             nodes.train(config_path, server_url, log_params=attempt == 1)
         else:
             _launch_here(cfg, config_path, train_run, sft.local_path, server_url, out)
-        final = out / "final"
+        # A LoRA run's final/ is its adapter; evaluation and the registry take the merged copy beside it.
+        final = out / ("final-merged" if cfg.train.use_peft else "final")
         metrics_rows = read_jsonl(out / "metrics.jsonl")
         summary = summarize_metrics(metrics_rows)
         curve = plot_reward_curve(metrics_rows, out / "reward_curve.png")
@@ -116,6 +117,7 @@ def train_rloo(
             log_path=str(out / ("train.log" if nodes is None else "nodes/node-0.log")),
             mlflow_run_id=train_run.run_id,
             attempts=attempt,
+            adapter_dir=str(out / "final") if cfg.train.use_peft else None,
         )
 
 

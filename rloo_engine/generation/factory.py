@@ -13,7 +13,7 @@ def build_backend(cfg, tokenizer, params: SamplingParams, acc, *, policy_getter,
         from rloo_engine.generation.vllm_server import VLLMServerBackend
 
         return VLLMServerBackend(cfg.vllm_server_url, tokenizer, params, acc, cfg.vllm_server_timeout,
-                                 cfg.vllm_group_port, cfg.seed)
+                                 cfg.vllm_group_port, cfg.seed, cfg.vllm_structured_outputs_regex)
     if cfg.use_vllm:
         from rloo_engine.generation.vllm_colocate import ProcessLayout, VLLMColocateBackend
 
@@ -21,7 +21,9 @@ def build_backend(cfg, tokenizer, params: SamplingParams, acc, *, policy_getter,
         backend = VLLMColocateBackend(cfg.model_name_or_path, tokenizer, params, cfg.vllm_gpu_memory_utilization,
                                       cfg.vllm_tensor_parallel_size, cfg.seed, cfg.dtype,
                                       position_limit=position_limit, sleep_mode=cfg.vllm_enable_sleep_mode,
-                                      layout=layout)
+                                      layout=layout, max_model_length=cfg.vllm_max_model_length,
+                                      structured_outputs_regex=cfg.vllm_structured_outputs_regex,
+                                      revision=cfg.model_revision, trust_remote_code=cfg.trust_remote_code)
         acc.wait_for_everyone()  # every rank's engine is up before the first collective of training
         return backend
     from rloo_engine.generation.hf import HFGenerationBackend

@@ -76,24 +76,51 @@ def launcher_environment(layout: ProcessLayout):
         yield
 
 
+def colocate_max_model_len(params: SamplingParams, position_limit: int | None, requested: int | None = None) -> int:
+    """vLLM's `max_model_len`: `vllm_max_model_length` when given, else the trainer's prompt budget plus the completion.
+
+    vLLM refuses a max_model_len beyond the model's positions; the trainer's prompt budget already fits them."""
+    if requested is not None:
+        if position_limit is not None and requested > position_limit:
+            raise ConfigError(f"vllm_max_model_length: {requested} exceeds the model's max_position_embeddings "
+                              f"{position_limit}; expected at most {position_limit}")
+        return requested
+    max_len = (params.max_prompt_length or position_limit or 2048) + params.max_completion_length
+    return min(max_len, position_limit) if position_limit is not None else max_len
+
+
+def sampling_kwargs(params: SamplingParams, n: int, eos_ids: list[int], structured_outputs_regex: str | None = None
+                    ) -> dict[str, Any]:
+    """Keyword arguments of `vllm.SamplingParams` for `n` completions per prompt. Structured outputs stay a dict here
+    (`structured_outputs_params` makes vLLM's object of it)."""
+    kwargs: dict[str, Any] = dict(n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or -1,
+                                  min_p=params.min_p or 0.0, repetition_penalty=params.repetition_penalty,
+                                  max_tokens=params.max_completion_length, stop_token_ids=eos_ids)
+    kwargs.update(params.extra or {})
+    if structured_outputs_regex is not None:  # TRL's `vllm_structured_outputs_regex`
+        kwargs["structured_outputs"] = {"regex": structured_outputs_regex}
+    kwargs["logprobs"] = 0  # 0 alternatives: just the sampled token's log-prob, which the trainer needs
+    return kwargs
+
+
 class VLLMColocateBackend:
     starts_with_model_weights = True  # it loads model_name_or_path: the first sync is needed only on resume
 
     def __init__(self, model_path: str, tokenizer, params: SamplingParams, gpu_memory_utilization: float = 0.3,
                  tensor_parallel_size: int = 1, seed: int = 0, dtype: str = "auto", position_limit: int | None = None,
-                 sleep_mode: bool = False, layout: ProcessLayout = ProcessLayout()):
+                 sleep_mode: bool = False, layout: ProcessLayout = ProcessLayout(), max_model_length: int | None = None,
+                 structured_outputs_regex: str | None = None, revision: str | None = None,
+                 trust_remote_code: bool = False):
         if sleep_mode and not torch.cuda.is_available():
             raise ConfigError("vllm_enable_sleep_mode: true needs CUDA (vLLM's sleep mode frees GPU memory); "
                               "set it false on CPU")
         vllm = import_vllm()
         self.vllm, self.tokenizer, self.params = vllm, tokenizer, params
         self.sleep_mode, self.asleep, self.weights_discarded = sleep_mode, False, False
+        self.structured_outputs_regex = structured_outputs_regex
         self.eos_ids = list(params.eos_token_ids or (tokenizer.eos_token_id,))
         self.tp_group = tensor_parallel_group(layout, tensor_parallel_size)
-        # vLLM refuses a max_model_len beyond the model's positions; the trainer's prompt budget already fits them.
-        max_len = (params.max_prompt_length or position_limit or 2048) + params.max_completion_length
-        if position_limit is not None:
-            max_len = min(max_len, position_limit)
+        max_len = colocate_max_model_len(params, position_limit, max_model_length)
         with launcher_environment(layout):
             self.llm = vllm.LLM(model=model_path, gpu_memory_utilization=gpu_memory_utilization,
                                 tensor_parallel_size=tensor_parallel_size, dtype=dtype, max_model_len=max_len,
@@ -104,15 +131,16 @@ class VLLMColocateBackend:
                                 enable_prefix_caching=True,
                                 # The sampled token's log-prob after temperature (and vLLM's other processors), the
                                 # distribution it was drawn from; raw_logprobs (the default) would be at temperature 1.
-                                logprobs_mode="processed_logprobs", enable_sleep_mode=sleep_mode)
+                                logprobs_mode="processed_logprobs", enable_sleep_mode=sleep_mode,
+                                # the policy's files at the trainer's revision, its own code only if allowed
+                                revision=revision, tokenizer_revision=revision, trust_remote_code=trust_remote_code)
 
     def _sampling_params(self, n: int):
-        p = self.params
-        kwargs: dict[str, Any] = dict(n=n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or -1,
-                                      min_p=p.min_p or 0.0, repetition_penalty=p.repetition_penalty,
-                                      max_tokens=p.max_completion_length, stop_token_ids=self.eos_ids)
-        kwargs.update(p.extra or {})
-        kwargs["logprobs"] = 0  # 0 alternatives: just the sampled token's log-prob, which the trainer needs
+        kwargs = sampling_kwargs(self.params, n, self.eos_ids, self.structured_outputs_regex)
+        if isinstance(kwargs.get("structured_outputs"), dict):  # also from generation_kwargs, as TRL converts it
+            from vllm.sampling_params import StructuredOutputsParams
+
+            kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
         return self.vllm.SamplingParams(**kwargs)
 
     @torch.no_grad()

@@ -111,8 +111,9 @@ class VLLMServerBackend:
     serves_after_training = True  # the trainer pushes the final weights: the server then serves the trained policy
 
     def __init__(self, base_url: str, tokenizer, params: SamplingParams, acc, timeout: float = 240.0,
-                 group_port: int = 51216, seed: int = 0):
+                 group_port: int = 51216, seed: int = 0, structured_outputs_regex: str | None = None):
         self.tokenizer, self.params, self.acc, self.seed = tokenizer, params, acc, seed
+        self.structured_outputs_regex = structured_outputs_regex
         self.base_url = base_url.rstrip("/")
         self.eos_ids = list(params.eos_token_ids or (tokenizer.eos_token_id,))
         self.calls = 0
@@ -184,6 +185,8 @@ class VLLMServerBackend:
         if p.top_k:
             body["top_k"] = p.top_k
         body.update(p.extra or {})
+        if self.structured_outputs_regex is not None:  # vLLM's completions API takes StructuredOutputsParams' fields
+            body["structured_outputs"] = {"regex": self.structured_outputs_regex}
         return body
 
     def _seed(self, ids: list[int], occurrence: int) -> int:

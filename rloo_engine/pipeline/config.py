@@ -43,6 +43,8 @@ PIPELINE_OWNED_ENGINE_FIELDS = {
     "run_name": "the flow run's name",
     "resume_from_checkpoint": "the flow run's directory (a Prefect retry resumes from its latest checkpoint)",
     "overwrite_output_dir": "the flow run's directory (each flow run writes its own; a retry resumes it)",
+    "save_merged_model": "train.use_peft (a LoRA run also writes `final-merged/`: evaluation and the registry need a "
+    "whole model)",
 }
 
 
@@ -516,6 +518,10 @@ class PipelineConfig(StrictModel):
         """The engine's RLOOConfig for this run: `train` plus the resolved model paths and the run's directory
         (and the URL of the vLLM server the task started, if it started one)."""
         values = self.train.model_dump()
+        # The train stage run's metrics and the registered model's source run are MLflow's, whatever else is asked.
+        if not {"all", "mlflow"} & set(self.train.report_to):
+            values["report_to"] = ["mlflow", *self.train.report_to]
+        values["save_merged_model"] = self.train.use_peft
         if vllm_server_url is not None:
             values["vllm_server_base_url"] = vllm_server_url
         values.update(

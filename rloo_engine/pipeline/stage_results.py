@@ -33,7 +33,7 @@ class RewardInfo(BaseModel):
 class TrainStageResult(BaseModel):
     """What the train stage hands on: the final checkpoint, the summary metrics and where the logs are."""
 
-    final_dir: str
+    final_dir: str  # a whole causal LM: `final/`, or a LoRA run's `final-merged/`; what is evaluated and registered
     output_dir: str
     global_step: int
     metrics: dict[str, float]  # reward_start, reward_end, kl_end, ... from metrics.jsonl
@@ -41,6 +41,7 @@ class TrainStageResult(BaseModel):
     log_path: str
     mlflow_run_id: str
     attempts: int
+    adapter_dir: str | None = None  # a LoRA run's adapter (`final/`, PEFT layout), whose base is the SFT checkpoint
 
 
 class EvalSummary(BaseModel):

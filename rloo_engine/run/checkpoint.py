@@ -1,7 +1,9 @@
 """Atomic checkpoints: HF-format model + tokenizer, accelerate state (optimizer, scheduler, RNG), trainer counters.
 
 Layout of `output_dir/checkpoint-N/`:
-  config.json, model.safetensors (or adapter_*), tokenizer files   -- loadable by AutoModelForCausalLM
+  config.json, model.safetensors, tokenizer files   -- loadable by AutoModelForCausalLM; under LoRA the
+                       adapter in PEFT layout instead (adapter_config.json, adapter_model.safetensors),
+                       loadable by PeftModel.from_pretrained(base, path), as `final/` (see `save_final`)
   accelerate/          optimizer, scheduler, per-process RNG states (python, numpy, torch)
   trainer_state.json   step counters, data position, metric history tail
   rank{r}.pt           per-process state that differs between ranks (generation buffer)
@@ -353,34 +355,52 @@ def load_checkpoint(accelerator: Accelerator, path: Path) -> tuple[dict[str, Any
     return trainer_state, torch.load(rank_file, weights_only=False)
 
 
+MERGED_DIR = "final-merged"  # a LoRA run's adapters merged into the base, with `save_merged_model`
+
+
 def save_final(
     accelerator: Accelerator, model: torch.nn.Module, tokenizer, output_dir: str | Path,
-    fresh_policy: Callable[[], torch.nn.Module],
+    fresh_policy: Callable[[], torch.nn.Module], save_merged: bool = False,
 ) -> Path:
-    """Writes `output_dir/final` in HF format, loadable as a plain causal LM; every process must call it.
+    """Writes `output_dir/final` in HF format; every process must call it. Returns its path.
 
-    The weights come from `full_state_dict`, which gathers ZeRO-3 shards onto rank 0.
-    Under LoRA they are loaded into `fresh_policy()` (a whole, unsharded copy of the base with the
-    same adapters) and the adapters merged there: a ZeRO-3 model's own parameters are empty shards.
+    A full-weight run's `final/` is a plain causal LM. A LoRA run's is the adapter in PEFT layout
+    (adapter_config.json, adapter_model.safetensors, the tokenizer), as TRL saves it: loadable with
+    `PeftModel.from_pretrained(base, final)`. With `save_merged` the adapters are also merged into a whole
+    copy of the base, written to `final-merged/`; without it a `final-merged/` an earlier run left is
+    removed, so it never disagrees with `final/`.
+
+    The weights come from `full_state_dict`, which gathers ZeRO-3 shards onto rank 0. The merge happens
+    in `fresh_policy()` (a whole, unsharded copy of the base with the same adapters): a ZeRO-3 model's own
+    parameters are empty shards.
     """
-    final = Path(output_dir) / "final"
+    root = Path(output_dir)
     accelerator.wait_for_everyone()
     state_dict = full_state_dict(accelerator, model)
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
-        if hasattr(unwrapped, "peft_config"):
+        # A PeftModel given the whole state dict keeps only the adapter's entries.
+        _write_model_dir(root / "final", unwrapped, state_dict, tokenizer)
+        merged_dir = root / MERGED_DIR
+        if hasattr(unwrapped, "peft_config") and save_merged:
             merged = fresh_policy()
             missing, unexpected = merged.load_state_dict(state_dict, strict=False)
             if unexpected or set(missing) - _tied_aliases(merged):
-                raise RuntimeError(f"final: gathered weights do not fit a fresh policy (missing {missing}, "
+                raise RuntimeError(f"{MERGED_DIR}: gathered weights do not fit a fresh policy (missing {missing}, "
                                    f"unexpected {unexpected})")
-            unwrapped, state_dict = merged.merge_and_unload(), None
-        tmp = final.with_name(".tmp-final")
-        shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped.save_pretrained(tmp, state_dict=state_dict)
-        tokenizer.save_pretrained(tmp)
-        _fsync_tree(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+            _write_model_dir(merged_dir, merged.merge_and_unload(), None, tokenizer)
+        else:
+            shutil.rmtree(merged_dir, ignore_errors=True)
     accelerator.wait_for_everyone()
-    return final
+    return root / "final"
+
+
+def _write_model_dir(target: Path, model: torch.nn.Module, state_dict: dict | None, tokenizer) -> None:
+    """`save_pretrained` into `.tmp-<name>`, fsynced, then renamed over `target`: never half a model."""
+    tmp = target.with_name(f".tmp-{target.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, state_dict=state_dict)
+    tokenizer.save_pretrained(tmp)
+    _fsync_tree(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)

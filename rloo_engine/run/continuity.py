@@ -33,13 +33,12 @@ OUTPUT_FILES = ("metrics.jsonl", "completions.jsonl")
 
 
 def previous_outputs(out: Path) -> list[str]:
-    """What an earlier run left in `out`: its checkpoints, `final/` and non-empty history files."""
+    """What an earlier run left in `out`: its checkpoints, `final/` (and `final-merged/`), non-empty history files."""
     if not out.is_dir():
         return []
     found = sorted((p.name for p in out.glob("checkpoint-*") if p.is_dir()), key=lambda n: int(n.split("-")[1])
                    if n.split("-")[1].isdigit() else -1)
-    if (out / "final").is_dir():
-        found.append("final/")
+    found += [f"{name}/" for name in ("final", "final-merged") if (out / name).is_dir()]
     found += [name for name in OUTPUT_FILES if (out / name).is_file() and (out / name).stat().st_size > 0]
     return found
 

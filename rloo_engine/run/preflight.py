@@ -18,18 +18,19 @@ def check_before_loading(cfg: RLOOConfig) -> None:
         raise ConfigError(f"output_dir: {out} is a file; expected a directory (or a path that does not exist yet)")
     for path in cfg.reward_funcs:
         load_reward_function(path)
-    check_completion_fits(cfg, model_position_limit(cfg.model_name_or_path))
+    check_completion_fits(cfg, model_position_limit(cfg.model_name_or_path, cfg.model_revision, cfg.trust_remote_code))
     if cfg.reward_model_name_or_path:
-        check_tokenizer_fits_embedding("reward_model_name_or_path", cfg.reward_model_name_or_path)
+        check_tokenizer_fits_embedding("reward_model_name_or_path", cfg.reward_model_name_or_path,
+                                       trust_remote_code=cfg.trust_remote_code)
 
 
-def check_tokenizer_fits_embedding(field: str, path_or_id: str) -> None:
+def check_tokenizer_fits_embedding(field: str, path_or_id: str, trust_remote_code: bool = False) -> None:
     """The model's tokenizer must not have more tokens than the model has embedding rows."""
     from transformers import AutoConfig, AutoTokenizer
 
     try:
-        config = AutoConfig.from_pretrained(path_or_id)
-        tokenizer = AutoTokenizer.from_pretrained(path_or_id)
+        config = AutoConfig.from_pretrained(path_or_id, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path_or_id, trust_remote_code=trust_remote_code)
     except Exception as err:
         raise ConfigError(f"{field}: {path_or_id} could not be loaded: {type(err).__name__}: {err}") from err
     rows = getattr(config.get_text_config(), "vocab_size", None)
@@ -40,13 +41,13 @@ def check_tokenizer_fits_embedding(field: str, path_or_id: str) -> None:
         )
 
 
-def model_position_limit(path_or_id: str) -> int | None:
+def model_position_limit(path_or_id: str, revision: str | None = None, trust_remote_code: bool = False) -> int | None:
     """The policy's `max_position_embeddings` (text config), or None when its config does not say or cannot load
     here (the model load then reports that)."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(path_or_id)
+        config = AutoConfig.from_pretrained(path_or_id, revision=revision, trust_remote_code=trust_remote_code)
     except Exception:
         return None
     limit = getattr(config.get_text_config(), "max_position_embeddings", None)

@@ -92,6 +92,7 @@ def tiny_config(tmp_path: Path, model: Path, **overrides) -> RLOOConfig:
         logging_steps=1,
         save_steps=0,
         disable_tqdm=True,
+        disable_dropout=True,  # TRL's default is false; tests compare exact log-probs, LoRA's dropout included
         seed=0,
     )
     values.update(overrides)

@@ -134,3 +134,60 @@ def test_a_help_string_with_a_percent_sign_is_prose_not_a_format():
     p.add_argument("--slow", help="~30% slower (20%), default %(default)s, literal %%", default=3)
     text = p.format_help()
     assert "~30% slower (20%), default 3, literal %" in " ".join(text.split())
+
+
+def test_trl_dashed_and_no_spellings_are_accepted():
+    """TRL's HfArgumentParser takes `--num-train-epochs` beside `--num_train_epochs`, and `--no_<flag>`."""
+    cfg = cli.parse_train_args([*BASE, "--num-train-epochs", "2", "--no_shuffle_dataset", "--no-disable-tqdm"])
+    assert cfg.num_train_epochs == 2.0 and cfg.shuffle_dataset is False and cfg.disable_tqdm is False
+
+
+def test_a_refused_trl_option_names_the_reason_and_the_alternative():
+    with pytest.raises(ConfigError) as err:
+        cli.parse_train_args([*BASE, "--torch_compile", "--fsdp", "full_shard"])
+    assert "torch_compile: True is not supported: models run eagerly here" in str(err.value)
+    assert "fsdp: 'full_shard' is not supported: FSDP is not built; use DeepSpeed ZeRO-2/3" in str(err.value)
+
+
+def test_a_refused_trl_option_at_trls_default_asks_for_nothing_and_is_accepted(capsys):
+    cli.parse_train_args([*BASE, "--push_to_hub", "false", "--eval_strategy", "no", "--logging_strategy", "steps"])
+    assert capsys.readouterr().err == ""
+
+
+def test_ignored_trl_options_are_named_on_one_line(capsys):
+    cli.parse_train_args([*BASE, "--dataloader_num_workers", "4", "--dataset_test_split", "validation"])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "ignoring TRL options with no effect here (docs/configuration.md says why): " \
+        "dataloader_num_workers, dataset_test_split" in err
+
+
+def test_a_trl_yaml_file_loads_with_the_same_rules(tmp_path, capsys):
+    path = tmp_path / "trl.yaml"
+    path.write_text("model_name_or_path: org/name\ndataset_name: d.jsonl\nreward_funcs: [my_pkg.rewards.length]\n"
+                    "report_to: none\ngradient_checkpointing: true\n"
+                    "gradient_checkpointing_kwargs: {use_reentrant: false}\nwarmup_steps: 0.1\n"
+                    "push_to_hub: false\ndataloader_num_workers: 2\nenv: {SOME_VAR: x}\n")
+    command = cli.parse_train_command(["--config", str(path)])
+    cfg = command.config
+    assert cfg.report_to == [] and cfg.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    assert cfg.reward_funcs == ["my_pkg.rewards:length"] and cfg.warmup_ratio == 0.1 and cfg.warmup_steps == 0
+    assert command.env == {"SOME_VAR": "x"}
+    assert "dataloader_num_workers" in capsys.readouterr().err
+    path.write_text("model_name_or_path: org/name\ndataset_name: d.jsonl\nreward_funcs: [a:b]\ntorch_compile: true\n")
+    with pytest.raises(ConfigError, match=r"--config .*trl.yaml: torch_compile: True is not supported"):
+        cli.parse_train_args(["--config", str(path)])
+
+
+def test_trls_defaults_kept_different_are_said_once_unless_set():
+    lines = cli.default_differences(cli.parse_train_command(BASE))
+    assert [line.split(":")[1].strip() for line in lines] == ["bf16", "gradient_checkpointing"]
+    assert lines[0].startswith("rloo-engine: bf16: false here (TRL: true) because ")
+    assert cli.default_differences(cli.parse_train_command([*BASE, "--bf16", "false", "--gradient_checkpointing"])) \
+        == []
+
+
+def test_train_help_shows_each_default():
+    text = " ".join(cli.train_parser().format_help().split())
+    assert "(default: 3.0)" in text and "(default: 512)" in text  # num_train_epochs, max_completion_length: TRL's
+    assert "(default: false; TRL: true, see the note printed at start)" in text  # bf16

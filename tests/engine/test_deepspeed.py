@@ -53,8 +53,8 @@ def digest_script(*args: str) -> list[str]:
     return [str(REPO / "tests/engine/scripts/train_and_digest.py"), *args]
 
 
-def final_weights(out: Path) -> dict[str, torch.Tensor]:
-    return load_file(out / "final" / "model.safetensors")
+def final_weights(out: Path, name: str = "final") -> dict[str, torch.Tensor]:
+    return load_file(out / name / "model.safetensors")
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -140,10 +140,12 @@ def test_zero3_ranks_are_real_and_resume_equals_the_straight_run(tmp_path, qwen2
 
 def test_zero3_with_lora_merges_the_gathered_adapters(tmp_path, qwen2_model, reward_model):
     out = tmp_path / "out"
-    proc = launch("deepspeed_zero3", engine(*train_args(qwen2_model, reward_model, prompt_file(tmp_path), out, *LORA)))
+    proc = launch("deepspeed_zero3", engine(*train_args(qwen2_model, reward_model, prompt_file(tmp_path), out, *LORA,
+                                                         "--save_merged_model")))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (out / "checkpoint-2" / "adapter_model.safetensors").is_file()
-    base, final = load_file(Path(qwen2_model) / "model.safetensors"), final_weights(out)
+    assert (out / "final" / "adapter_model.safetensors").is_file()
+    base, final = load_file(Path(qwen2_model) / "model.safetensors"), final_weights(out, "final-merged")
     changed = {k for k in base if not torch.equal(base[k], final[k])}
     assert changed and all(("q_proj" in k or "v_proj" in k) and k.endswith("weight") for k in changed), changed
 

@@ -140,8 +140,7 @@ def test_lora_trains_only_adapter_weights(tmp_path, qwen2_model):
     trainer.train()
     changed = {n for n, p in trainer.policy.named_parameters() if not torch.equal(before[n], p.detach())}
     assert changed and all("lora_" in n for n in changed)
-    final = AutoModelForCausalLM.from_pretrained(Path(cfg.output_dir) / "final")
-    assert not any("lora" in n for n, _ in final.named_parameters())  # merged
+    assert (Path(cfg.output_dir) / "final" / "adapter_model.safetensors").is_file()  # the adapter, as TRL saves it
 
 
 def test_reward_model_with_other_tokenizer_and_conversational_prompts(tmp_path, qwen2_model, reward_model_other_tokenizer):

@@ -74,7 +74,8 @@ def ingested(path: Path) -> CheckpointInfo:
     )
 
 
-def promote_flow(services, tracking_cfg: TrackingSection, final_dir: Path, sft: CheckpointInfo, tmp_path: Path):
+def promote_flow(services, tracking_cfg: TrackingSection, final_dir: Path, sft: CheckpointInfo, tmp_path: Path,
+                 adapter_dir: Path | None = None):
     """A flow that opens a parent run and a finished `train` run (as the pipeline would), then runs the gate."""
     from prefect import flow
 
@@ -96,6 +97,7 @@ def promote_flow(services, tracking_cfg: TrackingSection, final_dir: Path, sft: 
             log_path=str(tmp_path / "train.log"),
             mlflow_run_id=train_run.run_id,
             attempts=1,
+            adapter_dir=str(adapter_dir) if adapter_dir else None,
         )
         return registry.register_policy(tracking_cfg, trained, evaluation(0.6), sft, parent), train_run.run_id, parent.run_id
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -63,6 +64,19 @@ def test_building_an_engine_leaves_the_process_environment_as_it_was(greedy):
 def test_max_model_len_is_capped_at_the_model_positions(greedy):
     # 500 prompt + 8 completion tokens fit; a 512-token prompt budget + 16 would not (vLLM refuses > 512)
     assert greedy.llm.llm_engine.model_config.max_model_len == 508
+
+
+def test_vllm_structured_outputs_regex_constrains_what_vllm_samples(greedy, tok):
+    # TRL's vllm_structured_outputs_regex: every completion (up to its stop) stays in the language; a prefix of a
+    # string of [ tc] is one too, so a completion cut at NEW_TOKENS still matches.
+    greedy.params.temperature, greedy.structured_outputs_regex = 1.0, "[ tc]+"
+    try:
+        rollout = greedy.generate(PROMPTS, 2)
+    finally:
+        greedy.params.temperature, greedy.structured_outputs_regex = 0.0, None
+    for ids, mask in zip(rollout.completion_ids, rollout.completion_mask):
+        text = tok.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+        assert re.fullmatch("[ tc]*", text), text
 
 
 def test_rollout_layout_from_real_vllm(greedy, tok):

@@ -89,11 +89,11 @@ def test_server_mode_trains_and_the_server_serves_the_trained_weights(server, vl
 def test_server_mode_with_lora_serves_the_merged_adapter(server, vllm_policy, tmp_path):
     out = tmp_path / "lora"
     proc = run(train_command(vllm_policy, out, server.url, "--max_steps", "2", "--use_peft", "true",
-                             "--lora_r", "4", "--lora_alpha", "64", "--learning_rate", "5e-2"))
+                             "--lora_r", "4", "--lora_alpha", "64", "--learning_rate", "5e-2", "--save_merged_model"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert server.get("/weight_info")["weight_version"] == "2"
     ids = AutoTokenizer.from_pretrained(vllm_policy)(PROBE, add_special_tokens=False)["input_ids"]
-    assert max_gap(server.prompt_logprobs(ids), hf_prompt_logprobs(out / "final", ids)) < 1e-4
+    assert max_gap(server.prompt_logprobs(ids), hf_prompt_logprobs(out / "final-merged", ids)) < 1e-4
     assert max_gap(server.prompt_logprobs(ids), hf_prompt_logprobs(vllm_policy, ids)) > 1e-3
 
 
