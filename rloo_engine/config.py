@@ -225,7 +225,9 @@ class RLOOConfig(LoraOptions, VLLMOptions, ModelLoadingOptions):
     lr_scheduler_type: str = F("linear", "transformers scheduler name: linear, cosine, constant, constant_with_warmup, ...")
     warmup_steps: int = F(0, "Linear warmup in optimizer steps. Overrides `warmup_ratio` when > 0.", ge=0)
     warmup_ratio: float = F(0.0, "Warmup as a fraction of the total optimizer steps.", ge=0.0, le=1.0)
-    weight_decay: float = F(0.0, "AdamW weight decay.", ge=0.0)
+    weight_decay: float = F(
+        0.0, "Weight decay of the weights; biases and normalisation layers get none, as in transformers' Trainer.",
+        ge=0.0)
     adam_beta1: float = F(0.9, "AdamW beta1.", ge=0.0, lt=1.0)
     adam_beta2: float = F(0.999, "AdamW beta2.", ge=0.0, lt=1.0)
     max_grad_norm: float | None = F(1.0, "Gradient clipping norm; None or 0 = no clipping.", ge=0.0)

@@ -6,6 +6,7 @@ Names and meanings are transformers' (`TrainingArguments.optim`, `get_scheduler`
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -20,9 +21,27 @@ if TYPE_CHECKING:
 _FUSED_ADAMW_DEVICES = {"cpu", "cuda", "mps", "xpu"}
 
 
-def build_optimizer(cfg: RLOOConfig, params: list[torch.nn.Parameter],
+# Parameters transformers' Trainer exempts from weight decay, by name (`Trainer.get_decay_parameter_names`).
+_NO_DECAY_NAME = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """The trainable parameters in two groups, as transformers' Trainer builds them: `weight_decay` for weights,
+    none for biases and normalisation layers (decaying a norm's scale toward 0 shrinks the activations)."""
+    no_decay_types = tuple(m for m in (torch.nn.LayerNorm, getattr(torch.nn, "RMSNorm", None)) if m is not None)
+    exempt = {f"{prefix}.{name}" if prefix else name
+              for prefix, module in model.named_modules() if isinstance(module, no_decay_types)
+              for name, _ in module.named_parameters(recurse=False)}
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (no_decay if name in exempt or _NO_DECAY_NAME.search(name.lower()) else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(cfg: RLOOConfig, params: list[torch.nn.Parameter] | list[dict],
                     say: Callable[[str], None] = print) -> torch.optim.Optimizer:
-    """The optimizer `cfg.optim` names over the trainable `params`."""
+    """The optimizer `cfg.optim` names over the trainable `params` (a list, or `parameter_groups`)."""
     if cfg.optim == "adafactor":
         from transformers.optimization import Adafactor
 
@@ -31,7 +50,9 @@ def build_optimizer(cfg: RLOOConfig, params: list[torch.nn.Parameter],
                          relative_step=False)
     fused = None
     if cfg.optim == "adamw_torch_fused":
-        devices = {p.device.type for p in params}
+        tensors = [t for group in params for t in group["params"]] if params and isinstance(params[0], dict) \
+            else params
+        devices = {p.device.type for p in tensors}
         fused = devices <= _FUSED_ADAMW_DEVICES or None
         if fused is None:
             say(f"optim: adamw_torch_fused has no fused kernel for parameters on {sorted(devices)}; using "

@@ -57,7 +57,7 @@ from rloo_engine.models import (
     reference_context,
     sync_reference,
 )
-from rloo_engine.optim import build_optimizer, build_scheduler
+from rloo_engine.optim import build_optimizer, build_scheduler, parameter_groups
 from rloo_engine.progress import format_metric, metric_line, progress_bar
 from rloo_engine.prompt_feed import PromptFeed
 from rloo_engine.reward_sources import EmptySourceWatch, RewardModelSource, build_reward_sources, compute_rewards
@@ -101,7 +101,7 @@ class RLOOTrainer:
         self.reward_watch = EmptySourceWatch(self.reward_sources, cfg.reward_source_max_empty_steps)
         self.policy = load_policy(cfg)
         self.ref = load_reference(cfg)
-        self.optimizer = build_optimizer(cfg, [p for p in self.policy.parameters() if p.requires_grad], self._say)
+        self.optimizer = build_optimizer(cfg, parameter_groups(self.policy, cfg.weight_decay), self._say)
         self.total_steps = cfg.total_steps_for(len(self.dataset), self.acc.num_processes)
         # Not passed to accelerate.prepare: its wrapper steps num_processes times per call.
         self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps)

@@ -203,7 +203,9 @@ TRL_FIELDS: dict[str, TrlField] = {
     "ddp_timeout": _refused("the process-group timeout is accelerate's default, TRL's 1800 s", 1800),
     "fsdp": _refused("FSDP is not built; use DeepSpeed ZeRO-2/3 (`deepspeed`, docs/distributed.md)", None),
     "fsdp_config": _refused("FSDP is not built; use DeepSpeed ZeRO-2/3 (`deepspeed`, docs/distributed.md)", None),
-    "deepspeed": _same(),
+    "deepspeed": _different("DeepSpeed runs through an accelerate launch profile: outside a DeepSpeed launch the flag is "
+                            "refused with the exact `accelerate launch` command; under one the JSON's ZeRO stage must match "
+                            "the profile's"),
     "debug": _refused("transformers' underflow/overflow debug hooks are not built", ""),
     "skip_memory_metrics": _ignored("logging only: on GPU `memory/max_allocated_gib` is logged whatever this says"),
     "do_train": _ignored("the command trains; TRL's script ignores it too"),
@@ -246,7 +248,9 @@ TRL_FIELDS: dict[str, TrlField] = {
     "vllm_server_timeout": _same(),
     "vllm_group_port": _same(),
     "vllm_gpu_memory_utilization": _same(),
-    "vllm_max_model_length": _same(),
+    "vllm_max_model_length": _different("colocate mode only (server mode: `rloo-engine vllm-serve --max_model_len`); "
+                                        "unset, it is max_prompt_length + max_completion_length capped at the "
+                                        "model's positions (TRL: the model config's)"),
     "vllm_tensor_parallel_size": _same(),
     "beta": _same(),
     "num_iterations": _same(),
@@ -283,7 +287,7 @@ TRL_FIELDS: dict[str, TrlField] = {
     "lora_target_parameters": _refused("LoRA on parameters (MoE experts) is not built; use `lora_target_modules`",
                                        None),
     "lora_modules_to_save": _same(),
-    "lora_task_type": _same(),
+    "lora_task_type": _different("only `CAUSAL_LM`: the policy is a causal LM (TRL's `SEQ_CLS` trains reward models)"),
     "use_rslora": _same(),
     "use_dora": _same(),
     "load_in_8bit": _same(),

@@ -325,3 +325,18 @@ def test_vllm_options_are_checked_when_the_config_loads(tmp_path, qwen2_model):
         tiny_config(tmp_path, qwen2_model, use_vllm=True, vllm_structured_outputs_regex="(")
     with pytest.raises(ConfigError, match="vllm_max_model_length: 6; expected more than max_completion_length=6"):
         tiny_config(tmp_path, qwen2_model, use_vllm=True, vllm_max_model_length=6)
+
+
+def test_weight_decay_spares_biases_and_norms_as_transformers_trainer_does(qwen2_model):
+    from transformers import AutoModelForCausalLM, Trainer
+
+    from rloo_engine.optim import parameter_groups
+
+    model = AutoModelForCausalLM.from_pretrained(qwen2_model)
+    decay, no_decay = parameter_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed_by_trainer = set(Trainer.get_decay_parameter_names(None, model))  # its own rule (it does not use self)
+    # by tensor, not name: a tied lm_head is the embedding's tensor under a second name
+    expected = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in decayed_by_trainer}
+    assert {id(p) for p in decay["params"]} == expected and decay["weight_decay"] == 0.1
+    assert no_decay["weight_decay"] == 0.0 and any("norm" in names[id(p)] for p in no_decay["params"])
