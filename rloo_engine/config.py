@@ -40,9 +40,12 @@ class RLOOConfig(LoraOptions, VLLMOptions, ModelLoadingOptions):
     )
     reward_funcs: list[str] = F(
         [],
-        "Reward functions as `module:function` import paths (sync or `async def`). Each is called with "
-        "`prompts=`, `completions=`, `completion_ids=` and every extra dataset column as keyword lists, and "
-        "returns one float (or None = unscorable) per completion.",
+        "Reward functions as `module:function` import paths (sync or `async def`). Each is called as TRL calls it: "
+        "`prompts=`, `completions=`, `completion_ids=` and every extra dataset column as keyword lists, plus "
+        "`trainer_state=` (transformers' `TrainerState`: `global_step` = optimizer steps done, `max_steps`, `epoch`, "
+        "`log_history`, ...), `log_extra(column, values)` (one value per completion: a column of `completions.jsonl` "
+        "and the MLflow completions table) and `log_metric(name, value)` (logged as `name` beside `kl`, the mean of "
+        "every process's values); it returns one float (or None = unscorable) per completion.",
     )
     reward_weights: list[float] | None = F(
         None,
@@ -170,7 +173,7 @@ class RLOOConfig(LoraOptions, VLLMOptions, ModelLoadingOptions):
     )
     fused_decode: bool = F(
         True,
-        "Decode with the engine's own loop for float32 Qwen2- and Llama-shaped models (`rloo_engine/generation/fused_decode.py`): "
+        "Decode with the engine's own loop for float32 Qwen2-, Qwen3-, Llama- and Mistral-shaped models (`rloo_engine/generation/fused_decode.py`): "
         "q/k/v and gate/up packed into one matmul each, ~15 tensor ops a layer per token instead of transformers' "
         "~50, the same sampling, stopping and recorded log-probs as HF `generate` (the same tokens up to float32 "
         "rounding). It pays where per-op overhead dominates a decode step: on 2 CPU cores a generation call took "

@@ -14,7 +14,7 @@ from rloo_engine.config_base import ConfigError
 # Builder name of each data-file suffix `datasets.load_dataset` understands.
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 # Keyword names the reward call itself uses; a dataset column with one of them would collide.
-_RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")
+_RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 
 
 class DataError(ConfigError):

@@ -186,16 +186,19 @@ class MetricsLogger:
             return
         rows = [json.loads(line) for line in path.read_text().splitlines() if line]
         if rows:
-            columns = {k: [r.get(k) for r in rows] for k in rows[0]}
+            # Every row's keys, in first-seen order: a reward function's `log_extra` column may start mid-run.
+            names = list(dict.fromkeys(k for r in rows for k in r))
+            columns = {k: [r.get(k) for r in rows] for k in names}
             self.client.log_table(self.run_id, columns, artifact_file)
 
     def log_completions(self, step: int, samples: list[dict], num_to_print: int) -> None:
-        """Appends this step's samples to `completions.jsonl` and prints the first `num_to_print` (as TRL prints)."""
+        """Appends this step's samples to `completions.jsonl` and prints the first `num_to_print` (as TRL prints).
+        A `log_extra` value JSON cannot hold (a numpy scalar, an object) is written as its `str`."""
         from tqdm.auto import tqdm
 
         rows = [{"step": step, **r} for r in samples]
         with (self.path.parent / "completions.jsonl").open("a") as fh:
-            fh.writelines(json.dumps(r) + "\n" for r in rows)
+            fh.writelines(json.dumps(r, default=str) + "\n" for r in rows)
         for r in rows[:num_to_print]:
             tqdm.write(f"[step {r['step']}] reward={r['reward']:+.3f} adv={r['advantage']:+.3f} "
                        f"{r['prompt'][-60:]!r} -> {r['completion'][:120]!r}")

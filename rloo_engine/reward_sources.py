@@ -33,7 +33,8 @@ class RewardSource(Protocol):
     """Scores completions: one float, or None for "cannot judge this one", per completion.
 
     `prompts` are the raw dataset prompts (strings or message lists), `columns` the dataset's
-    other columns, each a list aligned with `completions`.
+    other columns, each a list aligned with `completions`, plus in training TRL's `trainer_state`,
+    `log_extra` and `log_metric` (`reward_context.py`).
     """
 
     name: str
@@ -229,7 +230,8 @@ def _load_or_raise(path: str, load: Any) -> Any:
 
 
 class FunctionRewardSource:
-    """A user function `fn(prompts=, completions=, completion_ids=, **columns) -> list[float | None]`, sync or async."""
+    """A user function `fn(prompts=, completions=, completion_ids=, **columns, trainer_state=, log_extra=,
+    log_metric=) -> list[float | None]`, sync or async."""
 
     def __init__(self, import_path: str, fn: Any):
         # Metrics use the bare function name, as TRL does (`rewards/<name>/mean`); errors use the full path.
@@ -272,13 +274,16 @@ def _run(awaitable: Any) -> Any:
 
 def score_all(
     sources: Sequence[RewardSource], prompts: list, completions: list[str], completion_ids: list[list[int]],
-    columns: dict[str, list],
+    columns: dict[str, list], context: dict[str, Any] | None = None,
 ) -> list[Any]:
     """Each source's raw output, in order; async sources run concurrently, sync ones one after another.
 
-    A source that raises yields its exception in place of a result, so the caller can name it.
+    `context`: keyword arguments beside the batch and the columns (TRL's `trainer_state`, `log_extra`,
+    `log_metric`: `reward_context.py`). A source that raises yields its exception in place of a result, so the
+    caller can name it.
     """
-    kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+    kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns,
+                  **(context or {}))
     results: list[Any] = [None] * len(sources)
     pending: dict[int, Any] = {}
     for i, source in enumerate(sources):
@@ -328,8 +333,10 @@ def compute_rewards(
     completions: list[str],
     completion_ids: list[list[int]],
     columns: dict[str, list],
+    context: dict[str, Any] | None = None,
 ) -> RewardResult:
-    """Scores N completions with every source, sums them with `weights`, and clips the sum to `clip_range` (as TRL)."""
+    """Scores N completions with every source, sums them with `weights`, and clips the sum to `clip_range` (as TRL).
+    `context`: passed to every source beside the batch (`score_all`)."""
     if not sources:
         raise RewardError("reward sources: none given; expected a reward model or at least one reward function")
     weights = [1.0] * len(sources) if weights is None else list(weights)
@@ -337,7 +344,7 @@ def compute_rewards(
         raise RewardError(f"reward_weights: {weights} has {len(weights)} entries; expected {len(sources)}, one per source")
     n = len(completions)
     labels = _source_labels(sources)
-    raw = score_all(sources, prompts, completions, completion_ids, columns)
+    raw = score_all(sources, prompts, completions, completion_ids, columns, context)
     per_source = torch.tensor(
         [_checked_scores(label, out, n) for label, out in zip(labels, raw)], dtype=torch.float32
     ).T.reshape(n, len(sources))  # (N, S)

@@ -60,6 +60,7 @@ from rloo_engine.models import (
 from rloo_engine.optim import build_optimizer, build_scheduler, parameter_groups
 from rloo_engine.progress import format_metric, metric_line, progress_bar
 from rloo_engine.prompt_feed import PromptFeed
+from rloo_engine.reward_context import RewardContext
 from rloo_engine.reward_sources import EmptySourceWatch, RewardModelSource, build_reward_sources, compute_rewards
 from rloo_engine.run import checkpoint as ckpt
 from rloo_engine.run.claim import claim_output_dir
@@ -133,6 +134,7 @@ class RLOOTrainer:
         self.cursor = 0  # micro-batches of `self.batch` consumed, over all its iterations
         self.window: dict[str, list[float]] = defaultdict(list)
         self.last_samples: list[dict] = []
+        self.reward_context = RewardContext(cfg, len(self.dataset), self.acc)  # trainer_state, log_extra, log_metric
 
     # ------------------------------------------------------------------ setup helpers
     def _sampling_params(self) -> SamplingParams:
@@ -220,7 +222,8 @@ class RLOOTrainer:
             scored_completions = [as_assistant_messages(t) for t in completions] if conversational else completions
             scored = compute_rewards(self.reward_sources, c.reward_weights, c.reward_clip_range,
                                      [p for p in prompts for _ in range(G)], scored_completions, completion_ids,
-                                     columns)
+                                     columns, self.reward_context.kwargs(self.global_step, self._epoch()))
+            logged_columns, logged_metrics = self.reward_context.merge(len(completions))  # the same on every process
         rewards = scored.rewards.to(self.acc.device)
         valid = scored.scorable.to(self.acc.device)
         self.reward_watch.observe(scored, self.global_step + 1)
@@ -277,11 +280,13 @@ class RLOOTrainer:
         if c.mask_truncated_completions:
             loss_weights = loss_weights * rollout.terminated.float()
 
-        for name, value in generation_metrics(scored, rewards, valid, kl, token_kl_mean, rollout, G).items():
+        for name, value in {**generation_metrics(scored, rewards, valid, kl, token_kl_mean, rollout, G),
+                            **logged_metrics}.items():
             self.window[name].append(value)
         self.last_samples = [
-            {"prompt": r, "completion": t, "reward": float(rw), "advantage": float(a)}
-            for r, t, rw, a in zip([p for p in rendered for _ in range(G)], completions, rewards, advantages)
+            {"prompt": r, "completion": t, "reward": float(rw), **{k: v[i] for k, v in logged_columns.items()},
+             "advantage": float(a)}
+            for i, (r, t, rw, a) in enumerate(zip([p for p in rendered for _ in range(G)], completions, rewards, advantages))
         ]
         # Each live row weighs the same in its optimizer steps, however the masked rows fall into micro-batches.
         live_per_micro_batch = max(loss_weights.sum().item(), 1.0) / self.steps_per_generation
@@ -434,13 +439,17 @@ class RLOOTrainer:
         names, local = window_values(self.window)
         everyone = self.acc.gather(torch.tensor([local], device=self.acc.device, dtype=torch.float64))
         metrics = reduce_window(names, everyone.tolist())  # (num_processes, K) -> one value each
-        metrics["epoch"] = self.sampler.epoch + self.sampler.state_dict()["position"] / len(self.dataset)
+        metrics["epoch"] = self._epoch()
+        self.reward_context.logged(self.global_step, metrics)
         self.logger.log(self.global_step, metrics)
         if self.cfg.log_completions and self.acc.is_main_process:
             self.logger.log_completions(self.global_step, self.last_samples,
                                         self.cfg.num_completions_to_print or self.cfg.num_generations)
         self.window.clear()
         return metrics
+
+    def _epoch(self) -> float:  # passes over the prompt dataset so far, fractional, as logged
+        return self.sampler.epoch + self.sampler.state_dict()["position"] / len(self.dataset)
 
     def _trainer_state(self) -> dict:
         # A batch still in flight is not saved: a resumed run draws its prompts again.

@@ -64,7 +64,7 @@ def test_the_engine_root_holds_the_loop_the_math_config_data_models_rewards_and_
                    "trl_fields"},
         "data": {"data"},
         "models": {"models"},
-        "rewards": {"reward_sources", "reward_functions"},
+        "rewards": {"reward_sources", "reward_functions", "reward_context"},
         "cli": {"__init__", "__main__", "cli", "argparsing", "exit_codes", "lifetime", "services"},
     }
     assert root == set().union(*rooms.values()), sorted(root ^ set().union(*rooms.values()))

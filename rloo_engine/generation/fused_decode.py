@@ -1,4 +1,4 @@
-"""The HF backend's decoding loop for float32 Qwen2- and Llama-shaped models, in ~15 tensor ops a layer.
+"""The HF backend's decoding loop for float32 Qwen2-, Qwen3-, Llama- and Mistral-shaped models, in ~15 tensor ops a layer.
 
 Why: at a small hidden size a decode step is mostly per-op overhead, not arithmetic (bench/README.md, "The decode
 loop's per-step overhead"). transformers' decoder layer runs ~50 ops per token step (separate q/k/v and gate/up
@@ -7,7 +7,9 @@ adds its own per-step work. `FusedDecoder` runs the same math on the same weight
 one matmul each, `F.rms_norm`, the residual adds folded into `addmm`, and rotary embedding as two fused multiply-adds
 over q and k together, writing keys and values straight into the sequence-major cache (kv_cache.py). `decode` is
 the sampling loop `generate` would run for the backend's settings: same processors in the same order, same
-stopping rule, same padding of finished rows, the same random draws.
+stopping rule, same padding of finished rows, the same random draws. Qwen3's per-head q/k RMSNorm is two more ops a
+layer; Mistral is Llama's layer (without a sliding window). Gemma (soft-capping, GELU, scaled embeddings, sliding
+layers), Phi-3 (packed projections under other names) and mixture-of-experts MLPs are other layers: `generate`.
 
 Only where that loop is exactly `generate`'s: no generation kwargs, no repetition penalty, no logits processor or
 stopping rule from the model's generation_config (`unsupported_reason`). The trainer checks the decode step against
@@ -27,7 +29,7 @@ from transformers import GenerationConfig
 from rloo_engine.generation.kv_cache import SequenceMajorLayer, cache_keyword, sequence_major_cache
 from rloo_engine.generation.sampling import PROCESSOR_KWARGS
 
-_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
 # Rope types whose cos/sin at a position do not depend on the sequence length seen so far.
 _ROPE_TYPES = ("default", "linear", "llama3")
 # generation_config fields that add a processor or stopping rule `decode` would not apply: the processor kwargs
@@ -56,6 +58,8 @@ def unsupported_reason(model: Any, extra: dict[str, Any] | None, repetition_pena
         return f"hidden_act {getattr(cfg, 'hidden_act', None)!r} is not 'silu'"
     if any(kind != "full_attention" for kind in getattr(cfg, "layer_types", None) or ()):
         return "it has sliding-window layers"
+    if getattr(cfg, "sliding_window", None) is not None and not getattr(cfg, "layer_types", None):
+        return f"sliding_window {cfg.sliding_window} (every layer attends to a window)"  # Mistral v0.1
     rope = getattr(model.model.rotary_emb, "rope_type", None)
     if rope not in _ROPE_TYPES:
         return f"rope_type {rope!r} is not one of {', '.join(_ROPE_TYPES)}"
@@ -94,7 +98,8 @@ class FusedDecoder:
             bias = (None if attn.q_proj.bias is None else
                     torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
             gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t()
-            self.layers.append((layer.input_layernorm, qkv, bias, attn.o_proj.weight.t(), attn.scaling,
+            qk_norms = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else None  # Qwen3: per head, pre-rope
+            self.layers.append((layer.input_layernorm, qkv, bias, qk_norms, attn.o_proj.weight.t(), attn.scaling,
                                 layer.post_attention_layernorm, gate_up, mlp.down_proj.weight.t()))
         self.embed, self.norm, self.head = body.embed_tokens.weight, body.norm, model.lm_head.weight.t()
         cos, sin = body.rotary_emb(self.embed[:1, None], torch.arange(positions, device=self.embed.device)[None])
@@ -110,10 +115,12 @@ class FusedDecoder:
         h = self.embed[tokens]  # (B, hidden)
         B, H, Hkv, D = h.shape[0], self.heads, self.kv_heads, self.head_dim
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # (B, 1, D)
-        for cache, (norm1, qkv_w, qkv_b, o_w, scale, norm2, gate_up_w, down_w) in zip(layers, self.layers):
+        for cache, (norm1, qkv_w, qkv_b, qk_norms, o_w, scale, norm2, gate_up_w, down_w) in zip(layers, self.layers):
             x = _rms_norm(norm1, h)
             qkv = x @ qkv_w if qkv_b is None else torch.addmm(qkv_b, x, qkv_w)
             qk = qkv[:, : (H + Hkv) * D].view(B, H + Hkv, D)  # q and k heads, rotated together
+            if qk_norms is not None:
+                qk = torch.cat([_rms_norm(qk_norms[0], qk[:, :H]), _rms_norm(qk_norms[1], qk[:, H:])], 1)
             flipped = qk.view(B, H + Hkv, 2, D // 2).flip(2).view(B, H + Hkv, D)
             qk = torch.addcmul(qk * cos, flipped, sin)
             keys, values = cache.append_token(qk[:, H:], qkv[:, (H + Hkv) * D :].view(B, Hkv, D))

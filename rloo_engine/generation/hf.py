@@ -216,17 +216,4 @@ class HFGenerationBackend:
             self._fused = fast_path_holds("fused_decode", measure, FLOAT32_TOLERANCE, "decoding with HF generate",
                                           self.say)
         return self._fused
-        try:
-            why = unsupported_reason(model, self.params.extra, self.params.repetition_penalty)
-            if why is None and self.tokenizer.pad_token_id is None:
-                why = "the tokenizer has no pad token"
-            difference = None if why is not None else decode_step_difference(model, len(self.tokenizer))
-        except (RuntimeError, TypeError, ValueError, AttributeError, IndexError) as err:  # a layout it misreads
-            difference, why = None, f"its check failed ({type(err).__name__}: {err})"
-        if difference is not None and difference > 1e-4:
-            why = f"on a probe batch its step is up to {difference:.3g} away from the model's own log-probs"
-        if why is not None:
-            self.say(f"rloo-engine: fused_decode: {why}; decoding with HF generate")
-        self._fused = why is None
-        return self._fused
 

@@ -28,6 +28,7 @@ def probe_rewards(
 
     from rloo_engine.data import extra_columns, load_prompt_dataset
     from rloo_engine.models import DTYPES
+    from rloo_engine.reward_context import standalone_reward_kwargs
     from rloo_engine.reward_sources import RewardModelSource, compute_rewards, load_reward_function
 
     dataset = load_prompt_dataset(data.train_prompts, data.train_config, data.train_split)
@@ -45,7 +46,9 @@ def probe_rewards(
         # the table training loads with: `auto` is the checkpoint's dtype there and here (it was float32 here)
         sources.append(RewardModelSource(model_path, device=device, dtype=DTYPES[dtype]))
     sources.extend(load_reward_function(f) for f in reward.functions)
-    result = compute_rewards(sources, reward.weights, None, prompts, completions, completion_ids, extra_columns(rows))
+    # The keyword arguments training passes too (`trainer_state` at step 0; what is logged goes nowhere).
+    result = compute_rewards(sources, reward.weights, None, prompts, completions, completion_ids, extra_columns(rows),
+                             standalone_reward_kwargs())
 
     stats: dict[str, RewardStats] = {}
     table: dict[str, list] = {"prompt": [str(p) for p in prompts], "completion": completions}

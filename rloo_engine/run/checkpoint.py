@@ -227,6 +227,13 @@ def load_model_weights(model: torch.nn.Module, ckpt_dir: Path) -> None:
         state.update(load_file(f))
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if "lm_head" in k or "embed" in k}
+    if unexpected and hasattr(model, "config"):
+        # transformers 5 writes some layouts converted (a MoE layer's experts, one fused tensor in memory, one tensor
+        # per expert on disk, as the released checkpoints have them): its own loader converts them back.
+        dtype = next(model.parameters()).dtype
+        state = type(model).from_pretrained(ckpt_dir, dtype=dtype).state_dict()
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        tied = {k for k in missing if "lm_head" in k or "embed" in k}
     if unexpected or set(missing) - tied:
         raise RuntimeError(f"{ckpt_dir}: weights do not match the model (missing {missing}, unexpected {unexpected})")
     model.tie_weights()

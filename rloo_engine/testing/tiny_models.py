@@ -1,7 +1,7 @@
 """Builds tiny, randomly initialised models and locally trained tokenizers, for tests and offline demos.
 
 Nothing here downloads anything: tokenizers are trained with `tokenizers` on text generated
-in-process, and models are random-init from a transformers config (Qwen2- or Llama-shaped).
+in-process, and models are random-init from a transformers config (`DECODER_CONFIGS`, or RoBERTa).
 """
 
 from __future__ import annotations
@@ -14,9 +14,17 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
     RobertaConfig,
 )
 
@@ -82,6 +90,13 @@ def train_tokenizer(
     return wrapped
 
 
+# The decoder-only config classes `lm_config` builds, by arch name (tiny_chat_models.FAMILIES shapes them like the
+# released models: head size, sliding windows, rope scaling, soft-capping, experts).
+DECODER_CONFIGS = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config, "mistral": MistralConfig,
+                   "phi3": Phi3Config, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig,
+                   "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}
+
+
 def lm_config(arch: str, vocab_size: int, pad_id: int, eos_id: int, hidden: int, layers: int, **extra):
     common = dict(
         vocab_size=vocab_size,
@@ -97,17 +112,15 @@ def lm_config(arch: str, vocab_size: int, pad_id: int, eos_id: int, hidden: int,
         tie_word_embeddings=True,
     )
     common.update(extra)  # e.g. num_attention_heads: vLLM's CPU attention needs a head size of 32 or more
-    if arch == "qwen2":
-        return Qwen2Config(**common)
-    if arch == "llama":
-        return LlamaConfig(**common)
+    if arch in DECODER_CONFIGS:
+        return DECODER_CONFIGS[arch](**common)
     if arch == "roberta":
         # An encoder reward model: positions start after padding_idx (= pad id), as RoBERTa/XLM-R number them.
         for key in ("num_key_value_heads", "tie_word_embeddings"):
             common.pop(key)
         common["max_position_embeddings"] = 512 + pad_id + 2
         return RobertaConfig(**common, type_vocab_size=1)
-    raise ValueError(f"arch: {arch!r}; expected 'qwen2', 'llama' or 'roberta'")
+    raise ValueError(f"arch: {arch!r}; expected one of {', '.join(DECODER_CONFIGS)} or 'roberta'")
 
 
 def build_causal_lm(
