@@ -36,7 +36,9 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     for name, param in model.named_parameters():
         if param.requires_grad:
             (no_decay if name in exempt or _NO_DECAY_NAME.search(name.lower()) else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # An empty group is left out: DeepSpeed drops it, and the schedule built on the groups would then miscount.
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 def build_optimizer(cfg: RLOOConfig, params: list[torch.nn.Parameter] | list[dict],

@@ -334,6 +334,9 @@ def test_weight_decay_spares_biases_and_norms_as_transformers_trainer_does(qwen2
 
     model = AutoModelForCausalLM.from_pretrained(qwen2_model)
     decay, no_decay = parameter_groups(model, 0.1)
+    model.requires_grad_(False)
+    model.lm_head.weight.requires_grad_(True)  # as LoRA leaves it: nothing to exempt, so no empty group
+    assert [g["weight_decay"] for g in parameter_groups(model, 0.1)] == [0.1]
     names = {id(p): n for n, p in model.named_parameters()}
     decayed_by_trainer = set(Trainer.get_decay_parameter_names(None, model))  # its own rule (it does not use self)
     # by tensor, not name: a tied lm_head is the embedding's tensor under a second name
