@@ -101,11 +101,18 @@ def trl_parse():
     def run(requests: list[dict]) -> dict:
         proc = subprocess.run([str(TRL_PYTHON), str(REPO / "tests/engine/scripts/trl_parse.py")],
                               input=json.dumps(requests), capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"})
+                              env=trl_environment())
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout)
 
     return run
+
+
+def trl_environment() -> dict[str, str]:
+    """TRL's venv is a world of its own: without our PYTHONPATH (the transformers-overlay lane puts an older
+    transformers first on it, which TRL's venv must not import) and without GPUs."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return {**env, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
 
 
 @pytest.fixture(scope="module")
