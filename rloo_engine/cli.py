@@ -202,7 +202,9 @@ def outputs_report(result, cfg: RLOOConfig) -> str:
     checkpoints = checkpoint_dirs(out)
     lines = [
         f"rloo-engine: trained {result.global_step} steps; outputs in {out}/",
-        f"  final model   {result.final_dir or 'not saved'}",
+        f"  final model   {result.final_dir or 'not saved'}"
+        + (" (the LoRA adapter, PEFT layout)" if cfg.use_peft and result.final_dir else ""),
+        *([f"  merged model  {out / 'final-merged'}"] if (out / "final-merged").is_dir() else []),
         f"  metrics       {result.metrics_path}",
         f"  checkpoints   {', '.join(p.name for p in checkpoints) if checkpoints else 'none kept'}"
         + (" (resume with --resume_from_checkpoint latest)" if checkpoints else ""),
@@ -210,7 +212,13 @@ def outputs_report(result, cfg: RLOOConfig) -> str:
     ]
     tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
     run_id = getattr(result, "mlflow_run_id", None) or os.environ.get("MLFLOW_RUN_ID")
-    if run_id:
+    others = [t for t in cfg.trackers() if t != "mlflow"]
+    if others:
+        where = {"tensorboard": "runs", "wandb": "wandb"}
+        lines.append("  trackers      " + ", ".join(f"{t} in {out / where[t]}/" for t in others))
+    if "mlflow" not in cfg.trackers():
+        lines.append(f"  MLflow run    none (report_to: {', '.join(cfg.report_to) or 'none'})")
+    elif run_id:
         lines.append(f"  MLflow run    {run_id} at {tracking_uri or 'the default tracking URI'}")
     elif tracking_uri:
         experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "rloo-engine")

@@ -50,9 +50,9 @@ def test_trl_command_line_runs(tmp_path, qwen2_model, reward_model):
     assert proc.stderr.count("bf16: false here (TRL: true) because") == 1
     assert "gradient_checkpointing: false here (TRL: true)" in proc.stderr
     # The run ends by saying where its outputs went.
-    assert f"final model   {out / 'final'}" in proc.stdout
+    assert f"final model   {out / 'final'} (the LoRA adapter, PEFT layout)" in proc.stdout
     assert f"metrics       {out / 'metrics.jsonl'}" in proc.stdout
-    assert "MLflow run    none (set MLFLOW_TRACKING_URI" in proc.stdout
+    assert "MLflow run    none (report_to: none)" in proc.stdout  # report_to none: not even with MLFLOW_* set
     assert (out / "final" / "adapter_config.json").is_file()  # LoRA: the adapter, as TRL saves it
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
