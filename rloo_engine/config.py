@@ -79,6 +79,12 @@ class RLOOConfig(LoraOptions, VLLMOptions, ModelLoadingOptions):
         "model is not loaded at all (saves memory).",
         ge=0.0,
     )
+    router_aux_loss_coef: float | None = F(
+        None,
+        "Mixture-of-Experts policies: weight of the router's load-balancing loss added to the RLOO loss (logged as "
+        "`aux_loss`). None = the architecture's own coefficient (`router_aux_loss_coef` in the model config; 0 when it "
+        "declares none); 0 = off. Set on a model that is not a Mixture of Experts, it is refused (as in TRL).",
+    )
     epsilon: float = F(0.2, "Lower clip range of the sequence ratio: ratio is clipped to [1 - epsilon, 1 + epsilon_high].")
     epsilon_high: float | None = F(None, "Upper clip range; None = same as `epsilon` (set higher for DAPO-style clip-higher).")
     num_iterations: int = F(

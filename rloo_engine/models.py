@@ -175,3 +175,41 @@ def sync_reference(policy: torch.nn.Module, ref: torch.nn.Module, alpha: float) 
     """TR-DPO reference update: ref <- alpha * policy + (1 - alpha) * ref, parameter by parameter."""
     for p_ref, p_pol in zip(ref.parameters(), policy.parameters()):
         p_ref.mul_(1 - alpha).add_(p_pol.detach().to(p_ref.dtype), alpha=alpha)
+
+
+class RouterAuxLoss:
+    """A Mixture-of-Experts policy's load-balancing loss, as TRL weighs it: `router_aux_loss_coef`, else the
+    architecture's own coefficient (0 when its config declares none); on only when the model returns router logits
+    and the coefficient is not 0. `capture(model)` asks the forwards inside it for their router logits and keeps each
+    forward's `aux_loss`. The trainer then runs each training forward whole: transformers' load-balancing loss
+    fails on a shared prompt's split forward (its masks no longer match the router logits)."""
+
+    def __init__(self, model: torch.nn.Module, coef: float | None):
+        config = model.config.get_text_config()
+        is_moe = hasattr(config, "output_router_logits")
+        if coef and not is_moe:
+            raise ConfigError(f"router_aux_loss_coef: {coef} but {type(model).__name__} is not a Mixture-of-Experts "
+                              "model that returns its router logits, so there is no auxiliary loss to weight")
+        self.coef = getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef
+        self.enabled = is_moe and self.coef != 0.0
+        self.losses: list[torch.Tensor] = []
+
+    @contextlib.contextmanager
+    def capture(self, model: torch.nn.Module):
+        """Each forward of the causal LM inside `model` (under DDP, DeepSpeed or PEFT) returns its router loss."""
+        self.losses = []
+        if not self.enabled:
+            yield self
+            return
+        lm = next(m for m in model.modules() if type(m).__name__.endswith("ForCausalLM"))
+        handles = [lm.register_forward_pre_hook(lambda _m, args, kwargs: (args, {**kwargs, "output_router_logits": True}),
+                                                with_kwargs=True),
+                   lm.register_forward_hook(lambda _m, _args, out: self.losses.append(out.aux_loss))]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def mean(self) -> torch.Tensor:
+        return torch.stack(self.losses).mean()

@@ -19,13 +19,7 @@ from accelerate.utils import set_seed
 from rloo_engine import algorithm as A
 from rloo_engine.batch import GenerationBatch, generation_metrics
 from rloo_engine.config import RLOOConfig, save_config
-from rloo_engine.data import (
-    PromptSampler,
-    as_assistant_messages,
-    extra_columns,
-    load_prompt_dataset,
-    render_prompt,
-)
+from rloo_engine.data import PromptSampler, as_assistant_messages, extra_columns, load_prompt_dataset, render_prompt
 from rloo_engine.distributed import (
     build_accelerator,
     fill_deepspeed_config,
@@ -49,6 +43,7 @@ from rloo_engine.logprobs import (
 from rloo_engine.machine_flags import settle_machine_flags
 from rloo_engine.metrics import MetricsLogger, reduce_window, window_values
 from rloo_engine.models import (
+    RouterAuxLoss,
     eos_token_ids,
     hub_kwargs,
     load_policy,
@@ -102,6 +97,7 @@ class RLOOTrainer:
         self.reward_watch = EmptySourceWatch(self.reward_sources, cfg.reward_source_max_empty_steps)
         self.policy = load_policy(cfg)
         self.ref = load_reference(cfg)
+        self.router_aux = RouterAuxLoss(self.policy, cfg.router_aux_loss_coef)  # MoE load balancing, as TRL
         self.optimizer = build_optimizer(cfg, parameter_groups(self.policy, cfg.weight_decay), self._say)
         self.total_steps = cfg.total_steps_for(len(self.dataset), self.acc.num_processes)
         # Not passed to accelerate.prepare: its wrapper steps num_processes times per call.
@@ -116,7 +112,8 @@ class RLOOTrainer:
             if isinstance(source, RewardModelSource):
                 source.model = prepare_frozen_model(self.acc, source.model)
         self.chunked_logprobs = cfg.chunked_logprobs and self._chunked_head_reproduces()
-        self.share_prompts = cfg.share_prompt_forward and self._shared_prompt_forward_reproduces()
+        self.share_prompts = (cfg.share_prompt_forward and not self.router_aux.enabled  # see RouterAuxLoss
+                              and self._shared_prompt_forward_reproduces())
         set_seed(cfg.seed, device_specific=True)  # weights are identical everywhere; sampling noise must not be
         self.backend = backend or self._default_backend()
         self.sampler = PromptSampler(len(self.dataset), cfg.seed, cfg.shuffle_dataset,
@@ -299,7 +296,7 @@ class RLOOTrainer:
         """Clipped sequence-ratio loss; on-policy the old log-probs are this forward's, detached (ratio == 1).
         With `ratio_anchor` resolved to `vllm` the ratio is against vLLM's log-probs instead (config.py)."""
         c = self.cfg
-        with self.acc.autocast():  # the chunked head too, not only the prepared forward (see the reference pass)
+        with self.acc.autocast(), self.router_aux.capture(self.policy):  # autocast: the chunked head too (see ref)
             token_logps, entropy = completion_token_logps(self.policy, mb["input_ids"], mb["attention_mask"],
                                                           mb["prompt_length"], c.temperature, with_entropy=True,
                                                           chunked=self.chunked_logprobs,
@@ -322,6 +319,10 @@ class RLOOTrainer:
         loss, ratio = A.clipped_sequence_loss(seq_logps, A.sequence_log_probs(anchor_logps, loss_mask),
                                               mb["advantages"], c.epsilon, c.effective_epsilon_high, row_weights,
                                               mb["loss_normalizer"])
+        if self.router_aux.enabled:
+            aux = self.router_aux.mean()
+            loss = loss + self.router_aux.coef * aux
+            self.window["aux_loss"].append(aux.item())
         clip = A.clip_ratio_metrics(ratio, mb["advantages"], c.epsilon, c.effective_epsilon_high, row_weights)
         self.window["entropy"].append(((entropy * mask).sum() / mask.sum().clamp(min=1)).item())
         for k, v in clip.items():

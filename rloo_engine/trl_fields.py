@@ -217,7 +217,7 @@ TRL_FIELDS: dict[str, TrlField] = {
     # ------------------------------------------------------------ RLOOConfig: TRL's own
     "model_init_kwargs": _same(),
     "trust_remote_code": _same(),
-    "router_aux_loss_coef": _refused("Mixture-of-Experts router loss is not built; train a dense model", None),
+    "router_aux_loss_coef": _same(),
     "disable_dropout": _same(),
     "num_generations": _same(),
     "num_generations_eval": _ignored(f"used only for {_NO_EVAL}"),
