@@ -187,3 +187,13 @@ def test_a_deepspeed_profile_that_accelerate_would_run_as_ddp_is_refused(tmp_pat
     assert "launch profile deepspeed-zero2: accelerate set up MULTI_CPU instead of DEEPSPEED" in proc.stderr, \
         proc.stderr[-3000:]
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_zero3_trains_a_mixture_of_experts_with_its_load_balancing_loss(tmp_path, reward_model):
+    from rloo_engine.testing.tiny_chat_models import build_family_model
+
+    model, out = build_family_model(tmp_path / "moe", "qwen2_moe"), tmp_path / "out"
+    proc = launch("deepspeed_zero3", engine(*train_args(model, reward_model, prompt_file(tmp_path), out)))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["aux_loss"] > 0 for r in rows)
