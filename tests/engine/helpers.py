@@ -106,3 +106,17 @@ def read_metrics(output_dir: str | Path) -> list[dict]:
 def trl_style_reply_length(completions, **_):
     """A reward written as TRL's docs write them for chat data: it reads completion[0]["content"]."""
     return [len(c[0]["content"]) / 10 for c in completions]
+
+
+def train_until_crash(tmp_path: Path, model: Path, monkeypatch, step: int, **overrides) -> None:
+    """Trains `tiny_config(tmp_path, model, **overrides)` with the injected crash after `step` (the process exit the
+    engine's fault injection raises), and leaves the environment without it for the resumed run."""
+    import pytest
+
+    from rloo_engine.run.fault_injection import CRASH_ENV
+    from rloo_engine.trainer import RLOOTrainer
+
+    monkeypatch.setenv(CRASH_ENV, str(step))
+    with pytest.raises(SystemExit):
+        RLOOTrainer(tiny_config(tmp_path, model, **overrides)).train()
+    monkeypatch.delenv(CRASH_ENV)

@@ -24,7 +24,7 @@ from rloo_engine.run import checkpoint as ckpt
 from rloo_engine.run.fault_injection import CRASH_ENV
 from rloo_engine.run.lock import OutputDirLocked, acquire_run_lock
 from rloo_engine.trainer import RLOOTrainer
-from tests.engine.helpers import read_metrics, repo_pythonpath, tiny_config
+from tests.engine.helpers import read_metrics, repo_pythonpath, tiny_config, train_until_crash
 from tests.engine.test_cli_and_processes import REPO, run
 
 
@@ -203,10 +203,7 @@ def completion_steps(out: Path) -> list[int]:
 def test_fresh_start_after_a_crash_before_the_first_checkpoint_writes_each_step_once(tmp_path, qwen2_model,
                                                                                       monkeypatch):
     common = dict(max_steps=4, save_steps=0, log_completions=True)
-    monkeypatch.setenv(CRASH_ENV, "2")  # no checkpoint exists when it dies
-    with pytest.raises(SystemExit):
-        RLOOTrainer(tiny_config(tmp_path, qwen2_model, **common)).train()
-    monkeypatch.delenv(CRASH_ENV)
+    train_until_crash(tmp_path, qwen2_model, monkeypatch, 2, **common)  # no checkpoint exists when it dies
     cfg = tiny_config(tmp_path, qwen2_model, **common, resume_from_checkpoint="latest")
     RLOOTrainer(cfg).train()
     out = Path(cfg.output_dir)
@@ -229,10 +226,7 @@ def standalone_mlflow(tmp_path, monkeypatch, experiment: str) -> str:
 def test_standalone_resume_continues_one_mlflow_run_with_each_step_once(tmp_path, qwen2_model, monkeypatch):
     uri = standalone_mlflow(tmp_path, monkeypatch, "standalone")
     common = dict(max_steps=5, save_steps=2, log_completions=True)
-    monkeypatch.setenv(CRASH_ENV, "3")  # dies after step 3; checkpoint-2 is the newest
-    with pytest.raises(SystemExit):
-        RLOOTrainer(tiny_config(tmp_path, qwen2_model, **common)).train()
-    monkeypatch.delenv(CRASH_ENV)
+    train_until_crash(tmp_path, qwen2_model, monkeypatch, 3, **common)  # checkpoint-2 is the newest
     client = mlflow.MlflowClient(uri)
     exp = client.get_experiment_by_name("standalone").experiment_id
     [crashed] = client.search_runs([exp])

@@ -10,9 +10,8 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from rloo_engine.run.fault_injection import CRASH_ENV
 from rloo_engine.trainer import RLOOTrainer
-from tests.engine.helpers import read_metrics, tiny_config
+from tests.engine.helpers import read_metrics, tiny_config, train_until_crash
 
 
 def tensorboard_events(log_dir: Path, tag: str) -> list:
@@ -69,7 +68,6 @@ def _history_rows(data: bytes, record_type) -> list[dict]:
 
 @pytest.fixture
 def wandb_offline(monkeypatch):
-    pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_PROJECT", "rloo-tests")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -77,7 +75,6 @@ def wandb_offline(monkeypatch):
 
 
 def test_a_list_reports_each_step_to_mlflow_tensorboard_and_wandb(tmp_path, qwen2_model, wandb_offline, monkeypatch):
-    pytest.importorskip("tensorboard")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "report-to")
@@ -114,7 +111,6 @@ def test_none_reports_to_no_tracker_even_with_mlflow_configured(tmp_path, qwen2_
 
 
 def test_tensorboard_alone_leaves_mlflow_out(tmp_path, qwen2_model, monkeypatch):
-    pytest.importorskip("tensorboard")
     db = tmp_path / "mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
     cfg = tiny_config(tmp_path, qwen2_model, max_steps=2, report_to="tensorboard")
@@ -138,12 +134,8 @@ def test_report_to_all_resolves_to_the_installed_trackers_and_lists_are_checked(
 def test_a_resumed_run_shows_each_step_once_in_tensorboard_and_wandb(tmp_path, qwen2_model, wandb_offline, monkeypatch):
     """Killed after logging step 3 with checkpoint-2 on disk: the resume redoes step 3, and neither tracker shows
     it twice (TensorBoard purges it, W&B was told the run already has it)."""
-    pytest.importorskip("tensorboard")
     common = dict(max_steps=4, save_steps=2, report_to=["tensorboard", "wandb"])
-    monkeypatch.setenv(CRASH_ENV, "3")
-    with pytest.raises(SystemExit):
-        RLOOTrainer(tiny_config(tmp_path, qwen2_model, **common)).train()
-    monkeypatch.delenv(CRASH_ENV)
+    train_until_crash(tmp_path, qwen2_model, monkeypatch, 3, **common)
     cfg = tiny_config(tmp_path, qwen2_model, **common, resume_from_checkpoint="latest")
     RLOOTrainer(cfg).train()
     out = Path(cfg.output_dir)
