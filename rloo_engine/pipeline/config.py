@@ -253,8 +253,8 @@ class LaunchSection(StrictModel):
     )
     main_process_port: int | None = F(
         None,
-        "Port of rank 0 (`--main_process_port`). None = the profile's (one machine) or a free port rank 0's node picks "
-        "(several machines).",
+        "Port of rank 0 (`--main_process_port`). None = on one machine the profile's, else a free one (accelerate's "
+        "default 29500 collides when two runs start together); on several, a free port rank 0's node picks.",
         ge=1,
         le=65535,
     )

@@ -45,7 +45,8 @@ def launch_command(
     `launch.num_machines > 1`, the command of machine `machine_rank`, whose rank 0 is at `main_process_ip`."""
     profile = resolve_profile(launch.profile, dict(os.environ))
     cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(profile)]
-    distributed_type = str((yaml.safe_load(profile.read_text()) or {}).get("distributed_type", "NO"))
+    profile_values = yaml.safe_load(profile.read_text()) or {}
+    distributed_type = str(profile_values.get("distributed_type", "NO"))
     processes = launch.num_processes or 1
     if distributed_type == "NO" and (processes > 1 or launch.num_machines > 1):
         # A profile without a distributed type (the cpu one) runs ONE process whatever --num_processes says;
@@ -59,7 +60,11 @@ def launch_command(
         if distributed_type == "DEEPSPEED":
             cmd += ["--deepspeed_multinode_launcher", "standard"]  # torchrun per node, not pdsh from rank 0
     port = main_process_port or launch.main_process_port
-    if port:
+    if not port and processes > 1 and launch.num_machines == 1 and not profile_values.get("main_process_port"):
+        # accelerate's default, 29500, is probed and then bound: two runs starting together on one machine both
+        # see it free and one dies with EADDRINUSE. Port 0 makes accelerate take a free port for this run.
+        port = 0
+    if port is not None:
         cmd += ["--main_process_port", str(port)]
     return cmd + ["-m", "rloo_engine", "train", "--config", str(config_path)]
 

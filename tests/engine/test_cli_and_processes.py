@@ -117,7 +117,7 @@ def test_two_process_accelerate_run_keeps_ranks_identical(tmp_path, qwen2_model)
             "--save_steps", "2", "--disable_tqdm"]
     # accelerate's `--cpu` launcher forks several processes only through mpirun; `--multi_gpu` launches
     # through torchrun, and the engine forms a gloo group when there is no accelerator.
-    proc = run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+    proc = run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", "0",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                 str(REPO / "tests/engine/scripts/train_and_digest.py"), *args])
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -218,7 +218,7 @@ def _train_in_each_rank(tmp_path: Path, model: Path, dirs: list[Path],
     flags = ("--model_name_or_path", str(model), "--dataset_name", str(prompt_file(tmp_path)),
              "--reward_funcs", reward, "--num_generations", "2", "--per_device_train_batch_size", "2",
              "--max_completion_length", "4", "--max_steps", "1", "--disable_tqdm")
-    proc = run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+    proc = run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", "0",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                 str(REPO / "tests/engine/scripts/train_in_each_rank.py"), os.pathsep.join(map(str, dirs)), *flags])
     assert proc.returncode == launcher_exit, proc.stderr[-4000:]

@@ -39,7 +39,8 @@ def launch(profile: str | None, target: list[str], crash_at: int | None = None):
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return run([sys.executable, "-m", "accelerate.commands.launch", *launcher, "--num_processes", "2", *target])
+        return run([sys.executable, "-m", "accelerate.commands.launch", *launcher, "--num_processes", "2",
+                    "--main_process_port", "0", *target])  # 29500 may be taken by another launch
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)

@@ -3,6 +3,8 @@ failure report, and the launch command (which must really start every process it
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -93,7 +95,12 @@ def test_the_cpu_profile_starts_every_process_it_is_asked_for(tmp_path):
     )
     cmd = launch_command(LaunchSection(profile="cpu", num_processes=2), tmp_path / "unused.yaml")
     assert cmd[-5:] == ["-m", "rloo_engine", "train", "--config", str(tmp_path / "unused.yaml")]
-    proc = subprocess.run(cmd[:-5] + [str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    # accelerate's default port, taken by another launch on this machine in the instant between its "is 29500 in
+    # use?" probe and its listen (two runs started together: CI's two lanes failed with EADDRINUSE this way).
+    with socket.socket() as other_launch:
+        with contextlib.suppress(OSError):  # already held by a real one: the same situation
+            other_launch.bind(("0.0.0.0", 29500))
+        proc = subprocess.run(cmd[:-5] + [str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert sorted(p.read_text() for p in tmp_path.glob("world?")) == ["WORLD 0 2", "WORLD 1 2"]
 
@@ -107,3 +114,16 @@ def test_a_multi_node_command_carries_its_rank_and_rank_0s_address(tmp_path):
     assert "--multi_gpu" not in cmd  # DeepSpeed profiles have their own distributed type
     assert yaml.safe_load(Path(cmd.split("--config_file ")[1].split()[0]).read_text())["distributed_type"] == "DEEPSPEED"
     assert sys.executable in cmd
+
+
+def test_one_machine_takes_a_free_port_unless_the_config_or_the_profile_names_one(tmp_path):
+    def port_of(launch: LaunchSection) -> str | None:
+        cmd = launch_command(launch, tmp_path / "c.yaml")
+        return cmd[cmd.index("--main_process_port") + 1] if "--main_process_port" in cmd else None
+
+    assert port_of(LaunchSection(profile="cpu", num_processes=2)) == "0"  # accelerate picks a free one
+    assert port_of(LaunchSection(profile="cpu", num_processes=2, main_process_port=29555)) == "29555"
+    assert port_of(LaunchSection(profile="cpu", num_processes=1)) is None  # one process listens on nothing
+    profile = tmp_path / "own_port.yaml"
+    profile.write_text(yaml.safe_dump({"distributed_type": "MULTI_CPU", "num_processes": 2, "main_process_port": 29600}))
+    assert port_of(LaunchSection(profile=str(profile), num_processes=2)) is None  # the profile's port is used

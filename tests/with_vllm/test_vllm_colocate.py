@@ -206,7 +206,7 @@ def test_two_training_processes_each_with_a_colocated_engine(vllm_policy, tmp_pa
     out = tmp_path / "out"
     env = user_environment(PYTHONPATH=repo_pythonpath(), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     env.pop("MLFLOW_TRACKING_URI", None)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", "0",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "rloo_engine", "train",
            "--model_name_or_path", str(vllm_policy), "--dataset_name", str(prompts), "--reward_funcs",
            "tests.engine.helpers:target_token_fraction", "--output_dir", str(out), "--num_generations", "4",

@@ -100,7 +100,7 @@ def test_server_mode_with_lora_serves_the_merged_adapter(server, vllm_policy, tm
 def test_two_training_processes_equal_one(server, vllm_policy, tmp_path):
     """Rank 0 sends both ranks' prompts and pushes the weights; per-prompt seeds give the same samples as one
     process with twice the batch, so the runs end equal up to the all-reduce's rounding."""
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", "0",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "rloo_engine"]
     two, one = tmp_path / "two", tmp_path / "one"
     cmd = train_command(vllm_policy, two, server.url, "--max_steps", "2", "--per_device_train_batch_size", "4")
