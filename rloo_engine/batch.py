@@ -54,9 +54,9 @@ def group_reward_std(rewards: torch.Tensor, num_generations: int) -> torch.Tenso
     return rewards.view(-1, num_generations).std(-1)
 
 
-def completion_length_metrics(completion_mask: torch.Tensor, terminated: torch.Tensor) -> dict[str, float]:
-    """TRL's `completions/*` metrics for one generation batch. completion_mask: (N, T); terminated: (N,)."""
-    lengths = completion_mask.sum(-1).float()
+def completion_length_metrics(lengths: torch.Tensor, terminated: torch.Tensor) -> dict[str, float]:
+    """TRL's `completions/*` metrics for one generation batch. lengths: (N,) completion tokens; terminated: (N,)."""
+    lengths = lengths.float()
     done = lengths[terminated]
     return {
         "completions/mean_length": lengths.mean().item(),
@@ -88,4 +88,4 @@ def generation_metrics(scored, rewards: torch.Tensor, valid: torch.Tensor, kl: t
         col = col[~torch.isnan(col)]
         metrics[f"rewards/{name}/mean"] = col.mean().item() if col.numel() else float("nan")
         metrics[f"rewards/{name}/std"] = col.std().item() if col.numel() > 1 else 0.0
-    return {**metrics, **completion_length_metrics(rollout.completion_mask, rollout.terminated)}
+    return {**metrics, **completion_length_metrics(rollout.completion_mask.sum(-1), rollout.terminated)}

@@ -15,8 +15,9 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BeforeValidator, model_validator
 
-from rloo_engine.config_base import ConfigError, F, validated
-from rloo_engine.config_model_options import CHECKPOINT_KWARGS, LoraOptions, ModelLoadingOptions
+from rloo_engine.config_base import ConfigError, F, import_paths, validated
+from rloo_engine.config_eval_options import EvalOptions
+from rloo_engine.config_model_options import LoraOptions, ModelLoadingOptions
 from rloo_engine.config_vllm_options import VLLMOptions
 
 
@@ -27,10 +28,12 @@ def _tracker_list(value: Any) -> Any:
     return [] if names is None or names == ["none"] else names
 
 
-class RLOOConfig(LoraOptions, VLLMOptions, ModelLoadingOptions):
+class RLOOConfig(EvalOptions, LoraOptions, VLLMOptions, ModelLoadingOptions):
     """All options of `rloo-engine train`. Names follow TRL's RLOOConfig / `trl rloo` script arguments. The
-    model-loading, vLLM and LoRA options are declared in their mixins (`config_model_options.py`,
-    `config_vllm_options.py`); every check that combines options is here."""
+    model-loading, vLLM, LoRA and evaluation options are declared in their mixins (`config_model_options.py`,
+    `config_vllm_options.py`, `config_eval_options.py`); every check that combines options is here. Constructed in
+    Python it may leave the model, data and rewards unset (`RLOOTrainer` gives them, as TRL's `RLOOConfig` leaves
+    them to the trainer); `build_config`, the command line's and YAML's boundary, requires them (`check_inputs`)."""
 
     # ---------------------------------------------------------------- model, reward and data
     reward_model_name_or_path: str | None = F(
@@ -38,7 +41,8 @@ class RLOOConfig(LoraOptions, VLLMOptions, ModelLoadingOptions):
         "Reward model: an `AutoModelForSequenceClassification` with `num_labels=1` (local dir or hub id). "
         "Scored with its own tokenizer, so it may differ from the policy's.",
     )
-    reward_funcs: list[str] = F(
+    reward_funcs: Annotated[list[str], import_paths(
+        "a config names functions by import path ('module:function'); pass callables to RLOOTrainer(reward_funcs=...)")] = F(
         [],
         "Reward functions as `module:function` import paths (sync or `async def`). Each is called as TRL calls it: "
         "`prompts=`, `completions=`, `completion_ids=` and every extra dataset column as keyword lists, plus "
@@ -374,22 +378,14 @@ class RLOOConfig(LoraOptions, VLLMOptions, ModelLoadingOptions):
                     f"generation batch is not divisible by num_generations={g}; each prompt's G completions "
                     "must stay together on one process"
                 )
-        check_model_source("model_name_or_path", self.model_name_or_path)
+        if self.model_name_or_path is not None:
+            check_model_source("model_name_or_path", self.model_name_or_path)
         if self.reward_model_name_or_path:
             check_model_source("reward_model_name_or_path", self.reward_model_name_or_path)
-        if not self.reward_model_name_or_path and not self.reward_funcs:
-            raise ValueError(
-                "reward_model_name_or_path / reward_funcs: neither is set; give a reward model or at least one reward function"
-            )
-        n_sources = len(self.reward_funcs) + (1 if self.reward_model_name_or_path else 0)
-        if self.reward_weights is not None and len(self.reward_weights) != n_sources:
-            raise ValueError(
-                f"reward_weights: {self.reward_weights} has {len(self.reward_weights)} entries; expected "
-                f"{n_sources} (reward model first, then each of reward_funcs)"
-            )
         for f in self.reward_funcs:
             if ":" not in f:
                 raise ValueError(f"reward_funcs: {f!r}; expected an import path like 'my_pkg.rewards:length_reward'")
+        self._check_eval(g)
         if self.reward_clip_range is not None and self.reward_clip_range[0] >= self.reward_clip_range[1]:
             raise ValueError(f"reward_clip_range: {list(self.reward_clip_range)}; expected [low, high] with low < high")
         if self.vllm_server_base_url is not None and not self.vllm_server_base_url.startswith(("http://", "https://")):
@@ -416,12 +412,26 @@ class RLOOConfig(LoraOptions, VLLMOptions, ModelLoadingOptions):
                 f"overwrite_output_dir: true with resume_from_checkpoint: {self.resume_from_checkpoint!r}; either "
                 "continue the run in output_dir or delete it, not both"
             )
-        if self.dataset_name is None:
-            raise ValueError("dataset_name: not set; expected a hub id, dataset directory or data file")
         if self.lr_scheduler_type not in _SCHEDULERS:
             raise ValueError(f"lr_scheduler_type: {self.lr_scheduler_type!r}; expected one of {sorted(_SCHEDULERS)}")
         self._check_trl_model_options()
         return self
+
+    def check_inputs(self, reward_sources: int | None = None, has_dataset: bool | None = None,
+                     has_model: bool | None = None) -> None:
+        """ConfigError unless the run has a policy, prompts and reward sources (one weight each), as the config names
+        them or (`RLOOTrainer`) its arguments give them."""
+        if not (self.model_name_or_path is not None if has_model is None else has_model):
+            raise ConfigError("model_name_or_path: not set; expected a local model directory or a hub id")
+        if not (self.dataset_name is not None if has_dataset is None else has_dataset):
+            raise ConfigError("dataset_name: not set; expected a hub id, dataset directory or data file")
+        n = len(self.reward_funcs) + bool(self.reward_model_name_or_path) if reward_sources is None else reward_sources
+        if n == 0:
+            raise ConfigError("reward_model_name_or_path / reward_funcs: neither is set; give a reward model or at "
+                              "least one reward function")
+        if self.reward_weights is not None and len(self.reward_weights) != n:
+            raise ConfigError(f"reward_weights: {self.reward_weights} has {len(self.reward_weights)} entries; "
+                              f"expected {n}, one per reward source (reward model first, then each of reward_funcs)")
 
     def _check_report_to(self) -> None:
         if len(self.report_to) > 1 and {"all", "none"} & set(self.report_to):
@@ -436,53 +446,6 @@ class RLOOConfig(LoraOptions, VLLMOptions, ModelLoadingOptions):
         if self.report_to == ["all"]:
             return [n for n in ("mlflow", "tensorboard", "wandb") if importlib.util.find_spec(n) is not None]
         return list(self.report_to)
-
-    def _check_trl_model_options(self) -> None:
-        """The TRL loading, optimiser and GPU-only options: combinations that cannot mean what they say."""
-        if self.gradient_checkpointing_kwargs is not None:
-            if not self.gradient_checkpointing:
-                raise ValueError(
-                    f"gradient_checkpointing_kwargs: {self.gradient_checkpointing_kwargs} with gradient_checkpointing: "
-                    "false has no effect; set gradient_checkpointing: true (TRL's RLOOConfig defaults it to true, "
-                    "this engine to false) or drop gradient_checkpointing_kwargs"
-                )
-            unknown = sorted(set(self.gradient_checkpointing_kwargs) - CHECKPOINT_KWARGS)
-            if unknown:
-                raise ValueError(f"gradient_checkpointing_kwargs: unknown key(s) {unknown}; expected some of "
-                                 f"{sorted(CHECKPOINT_KWARGS)} (torch.utils.checkpoint's keyword arguments)")
-        from rloo_engine.schedules import check_scheduler_kwargs
-
-        check_scheduler_kwargs(self.lr_scheduler_type, self.lr_scheduler_kwargs)
-        if self.load_in_4bit and self.load_in_8bit:
-            raise ValueError("load_in_4bit and load_in_8bit: both true; choose one")
-        quantized = "load_in_4bit" if self.load_in_4bit else "load_in_8bit" if self.load_in_8bit else None
-        if quantized and not self.use_peft:
-            raise ValueError(f"{quantized}: true without use_peft: true; quantised base weights cannot be trained, "
-                             "only LoRA adapters on them (as in TRL)")
-        if quantized and self.use_vllm:
-            raise ValueError(f"{quantized}: true with use_vllm: true; the weight sync into vLLM does not handle "
-                             "quantised weights here; use the HF backend (use_vllm: false)")
-        if not self.load_in_4bit and (self.use_bnb_nested_quant or self.bnb_4bit_quant_storage is not None):
-            name = "use_bnb_nested_quant" if self.use_bnb_nested_quant else "bnb_4bit_quant_storage"
-            raise ValueError(f"{name}: set without load_in_4bit: true; it configures 4-bit loading only")
-        if self.vllm_structured_outputs_regex is not None:
-            if not self.use_vllm:
-                raise ValueError(f"vllm_structured_outputs_regex: {self.vllm_structured_outputs_regex!r} without "
-                                 "use_vllm: true; only vLLM's decoding can constrain completions")
-            if "structured_outputs" in self.generation_kwargs:
-                raise ValueError("vllm_structured_outputs_regex and generation_kwargs.structured_outputs: both set; "
-                                 "give the constraint in one place")
-            try:
-                re.compile(self.vllm_structured_outputs_regex)
-            except re.error as err:
-                raise ValueError(f"vllm_structured_outputs_regex: {self.vllm_structured_outputs_regex!r} is not a "
-                                 f"regular expression ({err})") from None
-        if self.vllm_max_model_length is not None and self.vllm_max_model_length <= self.max_completion_length:
-            raise ValueError(f"vllm_max_model_length: {self.vllm_max_model_length}; expected more than "
-                             f"max_completion_length={self.max_completion_length} (prompt and completion share it)")
-        if self.deepspeed is not None and not Path(self.deepspeed).is_file():
-            raise ValueError(f"deepspeed: {self.deepspeed} does not exist or is not a file; expected a DeepSpeed "
-                             "JSON config")
 
     def _check_async_generation(self) -> None:
         if not (self.use_vllm and self.vllm_mode == "server"):
@@ -625,7 +588,12 @@ _SCHEDULERS = {
 
 def build_config(values: dict[str, Any], source: str = "RLOOConfig") -> RLOOConfig:
     """Validates `values` into an RLOOConfig, raising ConfigError with every problem named."""
-    return validated(RLOOConfig, values, source)
+    cfg = validated(RLOOConfig, values, source)
+    try:
+        cfg.check_inputs()
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
+    return cfg
 
 
 def save_config(cfg: RLOOConfig, path: str | Path) -> Path:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 
 class ConfigError(ValueError):
@@ -18,6 +18,20 @@ class ConfigError(ValueError):
 def F(default: Any, doc: str, **kw: Any) -> Any:
     """A documented field: `doc` says what it means, why the default, and when to change it."""
     return Field(default, description=doc, **kw)
+
+
+def import_paths(why: str) -> BeforeValidator:
+    """A list of `module:function` strings where a Python callable cannot go (a config file, another process): a
+    callable is refused in one line saying `why` and what to give instead, not as "Input should be a valid string"."""
+
+    def check(value: Any) -> Any:
+        for i, item in enumerate(value if isinstance(value, list) else []):
+            if callable(item) and not isinstance(item, str):
+                name = f"{getattr(item, '__module__', '?')}:{getattr(item, '__qualname__', type(item).__name__)}"
+                raise ValueError(f"[{i}] is the Python callable {name}; {why}")
+        return value
+
+    return BeforeValidator(check)
 
 
 class StrictModel(BaseModel):

@@ -6,6 +6,8 @@ combine these with the rest of the options are `RLOOConfig`'s."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import AliasChoices, model_validator
@@ -16,10 +18,11 @@ from rloo_engine.config_base import F, StrictModel
 class ModelLoadingOptions(StrictModel):
     """How the policy (and reference, and reward model where said) are loaded."""
 
-    model_name_or_path: str = F(
-        ...,
+    model_name_or_path: str | None = F(
+        None,
         "Policy to train: a local directory in `save_pretrained` format or a hub id. Also the "
-        "frozen reference model unless LoRA is on (then the reference is the adapter-disabled base).",
+        "frozen reference model unless LoRA is on (then the reference is the adapter-disabled base). Required by "
+        "`rloo-engine train`; from Python, `RLOOTrainer(model=...)` gives it.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = F(
         "float32",
@@ -130,6 +133,54 @@ class ModelLoadingOptions(StrictModel):
             values[field] = value
         values["model_init_kwargs"] = kwargs
         return values
+
+    def _check_trl_model_options(self) -> None:
+        """The TRL loading, optimiser and GPU-only options: combinations that cannot mean what they say (it reads
+        the other mixins' fields too: it runs on the whole RLOOConfig)."""
+        if self.gradient_checkpointing_kwargs is not None:
+            if not self.gradient_checkpointing:
+                raise ValueError(
+                    f"gradient_checkpointing_kwargs: {self.gradient_checkpointing_kwargs} with gradient_checkpointing: "
+                    "false has no effect; set gradient_checkpointing: true (TRL's RLOOConfig defaults it to true, "
+                    "this engine to false) or drop gradient_checkpointing_kwargs"
+                )
+            unknown = sorted(set(self.gradient_checkpointing_kwargs) - CHECKPOINT_KWARGS)
+            if unknown:
+                raise ValueError(f"gradient_checkpointing_kwargs: unknown key(s) {unknown}; expected some of "
+                                 f"{sorted(CHECKPOINT_KWARGS)} (torch.utils.checkpoint's keyword arguments)")
+        from rloo_engine.schedules import check_scheduler_kwargs
+
+        check_scheduler_kwargs(self.lr_scheduler_type, self.lr_scheduler_kwargs)
+        if self.load_in_4bit and self.load_in_8bit:
+            raise ValueError("load_in_4bit and load_in_8bit: both true; choose one")
+        quantized = "load_in_4bit" if self.load_in_4bit else "load_in_8bit" if self.load_in_8bit else None
+        if quantized and not self.use_peft:
+            raise ValueError(f"{quantized}: true without use_peft: true; quantised base weights cannot be trained, "
+                             "only LoRA adapters on them (as in TRL)")
+        if quantized and self.use_vllm:
+            raise ValueError(f"{quantized}: true with use_vllm: true; the weight sync into vLLM does not handle "
+                             "quantised weights here; use the HF backend (use_vllm: false)")
+        if not self.load_in_4bit and (self.use_bnb_nested_quant or self.bnb_4bit_quant_storage is not None):
+            name = "use_bnb_nested_quant" if self.use_bnb_nested_quant else "bnb_4bit_quant_storage"
+            raise ValueError(f"{name}: set without load_in_4bit: true; it configures 4-bit loading only")
+        if self.vllm_structured_outputs_regex is not None:
+            if not self.use_vllm:
+                raise ValueError(f"vllm_structured_outputs_regex: {self.vllm_structured_outputs_regex!r} without "
+                                 "use_vllm: true; only vLLM's decoding can constrain completions")
+            if "structured_outputs" in self.generation_kwargs:
+                raise ValueError("vllm_structured_outputs_regex and generation_kwargs.structured_outputs: both set; "
+                                 "give the constraint in one place")
+            try:
+                re.compile(self.vllm_structured_outputs_regex)
+            except re.error as err:
+                raise ValueError(f"vllm_structured_outputs_regex: {self.vllm_structured_outputs_regex!r} is not a "
+                                 f"regular expression ({err})") from None
+        if self.vllm_max_model_length is not None and self.vllm_max_model_length <= self.max_completion_length:
+            raise ValueError(f"vllm_max_model_length: {self.vllm_max_model_length}; expected more than "
+                             f"max_completion_length={self.max_completion_length} (prompt and completion share it)")
+        if self.deepspeed is not None and not Path(self.deepspeed).is_file():
+            raise ValueError(f"deepspeed: {self.deepspeed} does not exist or is not a file; expected a DeepSpeed "
+                             "JSON config")
 
 
 class LoraOptions(StrictModel):

@@ -294,3 +294,24 @@ def batched_truncated_token_logps(model, input_ids, attention_mask, prompt_lengt
             kept.append(torch.stack([A.sampling_kept_log_mass(row.float() / temperature, **truncation)
                                      for row in logits]))  # a (T, V) slice at a time, as token_log_probs
     return torch.cat(logps), torch.cat(kept)
+
+
+def probed_fast_paths(policy, vocab_size: int, autocast, half_precision: bool, chunked: bool, share: bool,
+                      say) -> tuple[bool, bool]:
+    """(chunked_logprobs, share_prompt_forward) as the run may use them: each asked-for path that gives the
+    model's own log-probs on a probe batch (`fast_path.py`), else off with one line saying why."""
+    from rloo_engine.fast_path import fast_path_holds, tolerance_for
+
+    tolerance = tolerance_for(half_precision)
+
+    def chunked_difference() -> float | str:
+        difference = chunked_head_difference(policy, autocast)
+        return ("its LM head is not a plain Linear the chunked path can run (LoRA on lm_head, ZeRO-3, a listed "
+                "logit transform)") if difference is None else difference
+
+    chunked = chunked and fast_path_holds("chunked_logprobs", chunked_difference, tolerance,
+                                          "using the full logits", say)
+    share = share and fast_path_holds("share_prompt_forward",
+                                      lambda: shared_prompt_difference(policy, vocab_size, autocast),
+                                      tolerance, "running every row's prompt", say)
+    return chunked, share

@@ -89,7 +89,7 @@ class MetricsLogger:
         self.run_id: str | None = None
         self.owns_run = False
         self.system_metrics = None
-        self.mlflow_has_through = 0  # MLflow already holds steps up to this one
+        self.mlflow_has_through = -1  # MLflow already holds steps up to this one (0: the eval_on_start row)
         if enabled and "mlflow" in trackers:
             self._connect_mlflow(run_name, self.params, continue_run)
 
@@ -123,7 +123,7 @@ class MetricsLogger:
                 self.path.with_name(RUN_FILE).write_text(json.dumps(
                     {"run_id": self.run_id, "tracking_uri": self.client.tracking_uri}))
         history = self.client.get_metric_history(self.run_id, STEP_MARKER)
-        self.mlflow_has_through = max((m.step for m in history), default=0)
+        self.mlflow_has_through = max((m.step for m in history), default=-1)
         self.system_metrics = _start_system_metrics(self.run_id)
 
     def _previous_run(self):

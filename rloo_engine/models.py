@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
@@ -62,16 +63,17 @@ def load_tokenizer(path: str, cfg: RLOOConfig | None = None):
     return tok
 
 
-def eos_token_ids(tokenizer, model_path: str, revision: str | None = None) -> list[int]:
+def eos_token_ids(tokenizer, model_path: str | None, revision: str | None = None,
+                  generation_config: GenerationConfig | None = None) -> list[int]:
     """Every id that ends a completion: the tokenizer's EOS plus the model's `generation_config.eos_token_id`.
 
     Chat models list several (Llama-3: 128001, 128008, 128009; Qwen2.5-Instruct: 151645, 151643), and
     the tokenizer's own EOS is often not the one the chat template ends a turn with.
     """
     ids = [tokenizer.eos_token_id]
-    try:
-        configured = GenerationConfig.from_pretrained(model_path, revision=revision).eos_token_id
-    except OSError:  # no generation_config.json
+    try:  # a model object's own, else the checkpoint's
+        configured = (generation_config or GenerationConfig.from_pretrained(model_path, revision=revision)).eos_token_id
+    except (OSError, TypeError):  # no generation_config.json; no path (a model object without one)
         configured = None
     if configured is not None:
         ids += configured if isinstance(configured, list) else [configured]
@@ -96,9 +98,10 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.p = 0.0
 
 
-def load_policy(cfg: RLOOConfig) -> PreTrainedModel:
-    """The trainable policy; a peft model with only LoRA weights trainable when `use_peft`."""
-    model = load_causal_lm(cfg.model_name_or_path, cfg)
+def load_policy(cfg: RLOOConfig, given: torch.nn.Module | None = None, peft_config: Any = None) -> PreTrainedModel:
+    """The trainable policy; a peft model with only LoRA weights trainable when `use_peft`. `given`: the model object
+    of `RLOOTrainer(model=...)` (prepared in place; a PeftModel keeps its adapters), `peft_config` its `peft_config`."""
+    model = given if given is not None else load_causal_lm(cfg.model_name_or_path, cfg)
     if cfg.use_liger_kernel:
         apply_liger_kernels(model)
     if cfg.gradient_checkpointing:
@@ -108,7 +111,7 @@ def load_policy(cfg: RLOOConfig) -> PreTrainedModel:
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(checkpoint_kwargs))
         model.config.use_cache = False
-    if not cfg.use_peft:
+    if not cfg.use_peft or hasattr(model, "peft_config"):  # a PeftModel given as it is
         if cfg.disable_dropout:
             disable_dropout(model)
         return model
@@ -116,7 +119,7 @@ def load_policy(cfg: RLOOConfig) -> PreTrainedModel:
         from peft import get_peft_model
     except ImportError:
         raise ConfigError("use_peft: true, but peft is not installed; pip install 'rloo-pipeline[peft]'") from None
-    lora = lora_config(cfg)
+    lora = peft_config or lora_config(cfg)
     if cfg.gradient_checkpointing:
         model.enable_input_require_grads()
     model = get_peft_model(model, lora)
@@ -150,11 +153,12 @@ def apply_liger_kernels(model: torch.nn.Module) -> None:
     apply_liger_kernel(model, {"fused_linear_cross_entropy": False})
 
 
-def load_reference(cfg: RLOOConfig) -> PreTrainedModel | None:
-    """A separate frozen copy of the initial policy; None when beta == 0 or with LoRA (adapters off instead)."""
+def load_reference(cfg: RLOOConfig, given: torch.nn.Module | None = None) -> PreTrainedModel | None:
+    """A separate frozen copy of the initial policy; None when beta == 0 or with LoRA (adapters off instead).
+    `given`: that copy already made of a model object (`trainer_inputs.py`), frozen here."""
     if not cfg.has_reference_model or cfg.use_peft:
         return None
-    ref = load_causal_lm(cfg.model_name_or_path, cfg)
+    ref = given if given is not None else load_causal_lm(cfg.model_name_or_path, cfg)
     if cfg.use_liger_kernel:
         apply_liger_kernels(ref)
     if cfg.disable_dropout:

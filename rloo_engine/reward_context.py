@@ -11,6 +11,7 @@ process did not log is None in its rows.
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,19 +32,20 @@ class RewardLogError(RewardError):
     """A reward function logged something unusable through `log_extra` / `log_metric`; the message names it."""
 
 
-def new_trainer_state(cfg: RLOOConfig, dataset_size: int, num_processes: int, is_local_main: bool,
+def new_trainer_state(cfg: RLOOConfig, dataset_size: int | None, num_processes: int, is_local_main: bool,
                       is_main: bool) -> TrainerState:
     """transformers' `TrainerState` with the run's fields filled as the HF Trainer fills them. The trainer sets
     `global_step` (optimizer steps done) and `epoch` (as logged) before each reward call, and appends each logged
-    row to `log_history` (since this process started: a resumed run does not reload it), through `RewardContext`."""
-    total_steps = cfg.total_steps_for(dataset_size, num_processes)
+    row to `log_history` (a resumed run reloads it from its checkpoint), through `RewardContext`.
+    `dataset_size` None: a stream (IterableDataset), whose epochs the HF Trainer counts as `sys.maxsize`."""
+    total_steps = cfg.total_steps_for(dataset_size or 1, num_processes)
     steps_per_epoch = cfg.model_copy(update={"max_steps": -1, "num_train_epochs": 1.0}).total_steps_for(
-        dataset_size, num_processes)
+        dataset_size or 1, num_processes)
     return TrainerState(
         max_steps=total_steps,
-        num_train_epochs=math.ceil(total_steps / steps_per_epoch),
+        num_train_epochs=math.ceil(total_steps / steps_per_epoch) if dataset_size else sys.maxsize,
         logging_steps=cfg.logging_steps,
-        eval_steps=cfg.logging_steps,  # the HF Trainer's default when `eval_steps` is unset; the engine has none
+        eval_steps=cfg.eval_interval(total_steps, cfg.logging_steps),  # logging_steps unless set, as the HF Trainer
         save_steps=cfg.save_steps,
         train_batch_size=cfg.per_device_train_batch_size,
         is_local_process_zero=is_local_main,
@@ -108,7 +110,7 @@ class RewardLogs:
 class RewardContext:
     """One trainer's `trainer_state` and `RewardLogs`, and the collectives that merge the logs over its processes."""
 
-    def __init__(self, cfg: RLOOConfig, dataset_size: int, acc: Any):
+    def __init__(self, cfg: RLOOConfig, dataset_size: int | None, acc: Any):
         from accelerate.utils import gather_object
 
         self.state = new_trainer_state(cfg, dataset_size, acc.num_processes, acc.is_local_main_process,

@@ -68,23 +68,28 @@ class RewardModelSource:
         share_prompts: bool = True,
         say=stderr,
         trust_remote_code: bool = False,
+        model: torch.nn.Module | None = None,
+        tokenizer: Any = None,
     ):
+        """`model`/`tokenizer`: objects given to `RLOOTrainer(reward_funcs=..., reward_processing_classes=...)`,
+        used instead of loading `path_or_id` (then only their label)."""
         code = {"trust_remote_code": trust_remote_code}  # `trust_remote_code` of the run, as TRL applies it here too
-        num_labels = _load_or_raise(path_or_id, lambda: AutoConfig.from_pretrained(path_or_id, **code)).num_labels
+        num_labels = model.config.num_labels if model is not None else _load_or_raise(
+            path_or_id, lambda: AutoConfig.from_pretrained(path_or_id, **code)).num_labels
         if num_labels != 1:
             raise ConfigError(
                 f"reward_model: {path_or_id} has num_labels={num_labels}; a reward model must have num_labels=1"
             )
         self.path, self.device = path_or_id, torch.device(device)
         self.batch_size, self.max_length = batch_size, max_length
-        self.tokenizer = _load_or_raise(path_or_id, lambda: AutoTokenizer.from_pretrained(path_or_id, **code))
+        self.tokenizer = tokenizer or _load_or_raise(path_or_id, lambda: AutoTokenizer.from_pretrained(path_or_id, **code))
         if self.tokenizer.pad_token is None:
             if self.tokenizer.eos_token is None:
                 raise ConfigError(f"reward_model: {path_or_id} tokenizer has neither a pad nor an eos token")
             self.tokenizer.pad_token = self.tokenizer.eos_token
         # Left truncation keeps the end of the completion, which is where the score is read.
         self.tokenizer.truncation_side = "left"
-        self.model = _load_or_raise(
+        self.model = model if model is not None else _load_or_raise(
             path_or_id, lambda: AutoModelForSequenceClassification.from_pretrained(path_or_id, dtype=dtype, **code)
         )
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
@@ -237,6 +242,12 @@ class FunctionRewardSource:
         # Metrics use the bare function name, as TRL does (`rewards/<name>/mean`); errors use the full path.
         self.import_path, self.fn = import_path, fn
         self.name = import_path.rpartition(":")[2].rpartition(".")[2]
+
+    @classmethod
+    def of_callable(cls, fn: Any) -> FunctionRewardSource:
+        """A function (or callable object) given to `RLOOTrainer(reward_funcs=...)`, labelled `module:qualname`."""
+        name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+        return cls(f"{getattr(fn, '__module__', None) or type(fn).__module__}:{name}", fn)
 
     def __call__(
         self, prompts: list, completions: list[str], completion_ids: list[list[int]], **columns: list
@@ -432,12 +443,27 @@ class EmptySourceWatch:
 # ---------------------------------------------------------------- from the config
 
 
-def build_reward_sources(cfg: RLOOConfig, device: str | torch.device, say=stderr) -> list[RewardSource]:
-    """The reward model first (if configured), then each of `reward_funcs`, matching `reward_weights`."""
+def build_reward_sources(cfg: RLOOConfig, device: str | torch.device, say=stderr, given: list | None = None,
+                         tokenizers: list | None = None) -> list[RewardSource]:
+    """The reward model first (if configured), then each of `reward_funcs`, matching `reward_weights`. `given`:
+    `RLOOTrainer(reward_funcs=...)`'s list instead of `reward_funcs`, as TRL takes it: `module:function` paths,
+    reward model ids or directories, sequence-classifier objects (scored with `tokenizers[i]`), callables."""
+    def reward_model(path: str, model: Any = None, tokenizer: Any = None) -> RewardModelSource:
+        return RewardModelSource(path, device=device, dtype=DTYPES[cfg.dtype], share_prompts=cfg.share_prompt_forward,
+                                 say=say, trust_remote_code=cfg.trust_remote_code, model=model, tokenizer=tokenizer)
+
     sources: list[RewardSource] = []
     if cfg.reward_model_name_or_path:
-        sources.append(RewardModelSource(cfg.reward_model_name_or_path, device=device, dtype=DTYPES[cfg.dtype],
-                                         share_prompts=cfg.share_prompt_forward, say=say,
-                                         trust_remote_code=cfg.trust_remote_code))
-    sources.extend(load_reward_function(path) for path in cfg.reward_funcs)
+        sources.append(reward_model(cfg.reward_model_name_or_path))
+    for i, item in enumerate(cfg.reward_funcs if given is None else given):
+        tokenizer = tokenizers[i] if tokenizers else None
+        if isinstance(item, str) and ":" in item:
+            sources.append(load_reward_function(item))
+        elif isinstance(item, (str, torch.nn.Module)):
+            path = item if isinstance(item, str) else getattr(item, "name_or_path", "") or type(item).__name__
+            source = reward_model(path, None if isinstance(item, str) else item, tokenizer)
+            source.name = path.rstrip("/").split("/")[-1]  # TRL names a reward model by its id's last part
+            sources.append(source)
+        else:
+            sources.append(FunctionRewardSource.of_callable(item))
     return sources

@@ -28,7 +28,7 @@ class TensorBoardTracker:
 
         # purge_step: a reader drops events at steps >= it that earlier writers left, so a redone step shows once.
         self.writer = SummaryWriter(log_dir=str(output_dir / "runs"), purge_step=start_step + 1)
-        if start_step == 0:
+        if start_step <= 0:
             self.writer.add_text("config", json.dumps(params, indent=1, default=str))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

@@ -18,50 +18,52 @@ from accelerate.utils import set_seed
 
 from rloo_engine import algorithm as A
 from rloo_engine.batch import GenerationBatch, generation_metrics
+from rloo_engine.callbacks import EngineCallbacks
 from rloo_engine.config import RLOOConfig, save_config
-from rloo_engine.data import PromptSampler, as_assistant_messages, extra_columns, load_prompt_dataset, render_prompt
+from rloo_engine.config_base import ConfigError
+from rloo_engine.data import PromptSampler, as_assistant_messages, extra_columns, render_prompt
 from rloo_engine.distributed import (
     build_accelerator,
     fill_deepspeed_config,
     full_weights_for_generation,
     gathered_for_update,
     global_grad_norm,
-    outside_zero_init,
     prepare_frozen_model,
 )
-from rloo_engine.fast_path import fast_path_holds, is_half_precision, tolerance_for
+from rloo_engine.eval_during_training import PeriodicEvaluation
+from rloo_engine.fast_path import is_half_precision
 from rloo_engine.generation.base import GenerationBackend, SamplingParams
 from rloo_engine.generation.factory import build_backend
 from rloo_engine.generation.hf import record_decoding_logprobs
 from rloo_engine.logprobs import (
     batched_token_logps,
     batched_truncated_token_logps,
-    chunked_head_difference,
     completion_token_logps,
-    shared_prompt_difference,
+    probed_fast_paths,
 )
 from rloo_engine.machine_flags import settle_machine_flags
-from rloo_engine.metrics import MetricsLogger, reduce_window, window_values
+from rloo_engine.metrics import MetricsLogger
 from rloo_engine.models import (
     RouterAuxLoss,
     eos_token_ids,
     hub_kwargs,
     load_policy,
     load_reference,
-    load_tokenizer,
     reference_context,
     sync_reference,
 )
 from rloo_engine.optim import build_optimizer, build_scheduler, parameter_groups
 from rloo_engine.progress import format_metric, metric_line, progress_bar
 from rloo_engine.prompt_feed import PromptFeed
+from rloo_engine.prompt_stream import StreamedPrompts, StreamSampler
 from rloo_engine.reward_context import RewardContext
 from rloo_engine.reward_sources import EmptySourceWatch, RewardModelSource, build_reward_sources, compute_rewards
 from rloo_engine.run import checkpoint as ckpt
-from rloo_engine.run.claim import claim_output_dir
-from rloo_engine.run.continuity import config_snapshot
+from rloo_engine.run.claim import claim_output_dir, start_point
 from rloo_engine.run.fault_injection import crash, crash_step, maybe_kill
-from rloo_engine.run.preflight import model_position_limit, prompt_token_budget
+from rloo_engine.run.preflight import check_completion_fits, model_position_limit, prompt_token_budget
+from rloo_engine.trainer_bookkeeping import TrainerBookkeeping
+from rloo_engine.trainer_inputs import eval_prompts, prepared_tokenizer, resolve_trainer_arguments, train_prompts
 
 
 @dataclass
@@ -73,33 +75,54 @@ class TrainResult:
     mlflow_run_id: str | None = None  # the run metrics went to (rank 0), whether given or created
 
 
-class RLOOTrainer:
-    def __init__(self, cfg: RLOOConfig, backend: GenerationBackend | None = None):
-        self.cfg = cfg
+class RLOOTrainer(TrainerBookkeeping):
+    """TRL's signature: `RLOOTrainer(model=..., reward_funcs=..., args=RLOOConfig(...), train_dataset=...)` (each
+    argument as TRL takes it, `trainer_inputs.py`), or `RLOOTrainer(cfg)` with everything named in the config."""
+
+    def __init__(self, model=None, reward_funcs=None, args: RLOOConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
+                 optimizers=(None, None), peft_config=None, *, backend: GenerationBackend | None = None):
+        if optimizers != (None, None):
+            raise ConfigError("optimizers: custom optimizer objects are not taken; the engine builds its optimizer "
+                              "and schedule from the config (optim, learning_rate, lr_scheduler_type, ...)")
+        cfg, self.inputs = resolve_trainer_arguments(model, reward_funcs, args, train_dataset, eval_dataset,
+                                                     processing_class, reward_processing_classes, callbacks,
+                                                     peft_config)
+        self.cfg = self.args = cfg
         self.acc = build_accelerator(cfg)
         settle_machine_flags(cfg, self.acc, self._say)  # tf32, log_level, GPU-only options, a DeepSpeed JSON
         # Before anything loads: reward imports, tokenizer sizes, output_dir, this run's lock, the checkpoint.
-        self.run_lock, self.resume_path = claim_output_dir(cfg, self.acc)
+        # `RLOOTrainer(cfg)` decides where it starts now (its config says); TRL's form in train(resume_from_checkpoint).
+        self.start_decided = self.inputs.config_only
+        self.run_lock, self.resume_path = claim_output_dir(cfg, self.acc, self.inputs.describe(),
+                                                           decide_start=self.start_decided)
         self.steps_per_generation = cfg.steps_per_generation_for(self.acc.num_processes)
         self.on_policy = cfg.num_iterations == 1 and cfg.gradient_accumulation_steps % self.steps_per_generation == 0
         set_seed(cfg.seed)
         # Cheap checks first: a bad dataset or reward function fails before any model is loaded.
-        self.dataset = load_prompt_dataset(cfg.dataset_name, cfg.dataset_config, cfg.dataset_train_split)
-        self.tokenizer = load_tokenizer(cfg.model_name_or_path, cfg)
-        self.model_eos_ids = eos_token_ids(self.tokenizer, cfg.model_name_or_path, cfg.model_revision)
-        self.position_limit = model_position_limit(cfg.model_name_or_path, **hub_kwargs(cfg))
+        self.dataset = train_prompts(cfg, self.inputs)  # a Dataset, or a stream (IterableDataset)
+        self.dataset_size = None if isinstance(self.dataset, StreamedPrompts) else len(self.dataset)
+        eval_datasets = eval_prompts(cfg, self.inputs)
+        given = self.inputs.policy
+        self.tokenizer = prepared_tokenizer(self.inputs.tokenizer, cfg, given)
+        self.model_eos_ids = eos_token_ids(self.tokenizer, cfg.model_name_or_path, cfg.model_revision,
+                                           getattr(given, "generation_config", None))
+        self.position_limit = (model_position_limit(cfg.model_name_or_path, **hub_kwargs(cfg)) if given is None
+                               else getattr(given.config.get_text_config(), "max_position_embeddings", None))
+        check_completion_fits(cfg, self.position_limit)
         self.prompt_budget = prompt_token_budget(cfg, self.position_limit)
         if self.prompt_budget != cfg.max_prompt_length and self.acc.is_main_process:
             print(f"rloo-engine: max_prompt_length {cfg.max_prompt_length or 'unlimited'} + max_completion_length "
                   f"{cfg.max_completion_length} exceeds the model's {self.position_limit} positions; prompts keep "
                   f"their last {self.prompt_budget} tokens", file=sys.stderr)
-        self.reward_sources = build_reward_sources(cfg, self.acc.device, say=self._say)
+        self.reward_sources = build_reward_sources(cfg, self.acc.device, self._say, self.inputs.reward_funcs,
+                                                   self.inputs.reward_tokenizers)
         self.reward_watch = EmptySourceWatch(self.reward_sources, cfg.reward_source_max_empty_steps)
-        self.policy = load_policy(cfg)
-        self.ref = load_reference(cfg)
+        self.policy = load_policy(cfg, given, self.inputs.peft_config)
+        self.ref = load_reference(cfg, self.inputs.reference)
         self.router_aux = RouterAuxLoss(self.policy, cfg.router_aux_loss_coef)  # MoE load balancing, as TRL
         self.optimizer = build_optimizer(cfg, parameter_groups(self.policy, cfg.weight_decay), self._say)
-        self.total_steps = cfg.total_steps_for(len(self.dataset), self.acc.num_processes)
+        self.total_steps = cfg.total_steps_for(self.dataset_size or 1, self.acc.num_processes)  # a stream: max_steps
         # Not passed to accelerate.prepare: its wrapper steps num_processes times per call.
         self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps)
         fill_deepspeed_config(self.acc, cfg)
@@ -111,27 +134,32 @@ class RLOOTrainer:
         for source in self.reward_sources:
             if isinstance(source, RewardModelSource):
                 source.model = prepare_frozen_model(self.acc, source.model)
-        self.chunked_logprobs = cfg.chunked_logprobs and self._chunked_head_reproduces()
-        self.share_prompts = (cfg.share_prompt_forward and not self.router_aux.enabled  # see RouterAuxLoss
-                              and self._shared_prompt_forward_reproduces())
+        self.chunked_logprobs, self.share_prompts = probed_fast_paths(
+            self.policy, len(self.tokenizer), self.acc.autocast, is_half_precision(self.acc.mixed_precision, cfg.dtype),
+            cfg.chunked_logprobs, cfg.share_prompt_forward and not self.router_aux.enabled, self._say)  # RouterAuxLoss
         set_seed(cfg.seed, device_specific=True)  # weights are identical everywhere; sampling noise must not be
         self.backend = backend or self._default_backend()
-        self.sampler = PromptSampler(len(self.dataset), cfg.seed, cfg.shuffle_dataset,
-                                     self.acc.process_index, self.acc.num_processes)
+        self.sampler = (StreamSampler(self.dataset, cfg.seed, self.acc.process_index, self.acc.num_processes)
+                        if self.dataset_size is None else
+                        PromptSampler(self.dataset_size, cfg.seed, cfg.shuffle_dataset, self.acc.process_index,
+                                      self.acc.num_processes))
         self.feed = PromptFeed(self.dataset, self.sampler,
                                lambda prompt: render_prompt(self.tokenizer, prompt, cfg.chat_template_kwargs),
                                cfg.per_device_train_batch_size * self.steps_per_generation // cfg.num_generations,
                                cfg.num_generations, lambda: self.backend, submit_ahead=cfg.async_generation)
-        self.logger = MetricsLogger(cfg.output_dir, self.acc.is_main_process, cfg.run_name,
-                                    {f"train.{k}": v for k, v in cfg.model_dump().items()},
-                                    continue_run=bool(cfg.resume_from_checkpoint), trackers=cfg.trackers())
         self.global_step = 0
         self.synced_step = -1  # optimizer step whose weights the generation backend holds
         self.batch: GenerationBatch | None = None
         self.cursor = 0  # micro-batches of `self.batch` consumed, over all its iterations
         self.window: dict[str, list[float]] = defaultdict(list)
         self.last_samples: list[dict] = []
-        self.reward_context = RewardContext(cfg, len(self.dataset), self.acc)  # trainer_state, log_extra, log_metric
+        self.reward_context = RewardContext(cfg, self.dataset_size, self.acc)  # trainer_state, log_extra, log_metric
+        self.state = self.reward_context.state  # transformers' TrainerState: global_step, log_history, ...
+        self.evaluation = PeriodicEvaluation(eval_datasets, cfg, self.acc, self.tokenizer, self.feed.render,
+                                             self.total_steps)
+        self.callbacks = EngineCallbacks(self.inputs.callbacks, self.policy, self.tokenizer, self.optimizer,
+                                         self.scheduler)
+        self.callbacks.event("on_init_end", cfg, self.state)
 
     # ------------------------------------------------------------------ setup helpers
     def _sampling_params(self) -> SamplingParams:
@@ -151,25 +179,6 @@ class RLOOTrainer:
         """A start-up note on stderr, from the main process only."""
         if self.acc.is_main_process:
             print(message, file=sys.stderr)
-
-    def _chunked_head_reproduces(self) -> bool:
-        """Whether `chunked_logprobs` can run: the chunked head gives the model's own log-probs on a probe batch."""
-        def measure() -> float | str:
-            difference = chunked_head_difference(self.policy, self.acc.autocast)
-            return ("its LM head is not a plain Linear the chunked path can run (LoRA on lm_head, ZeRO-3, a listed "
-                    "logit transform)") if difference is None else difference
-
-        return fast_path_holds("chunked_logprobs", measure, self._probe_tolerance(), "using the full logits",
-                               self._say)
-
-    def _shared_prompt_forward_reproduces(self) -> bool:
-        """Whether `share_prompt_forward` can run: it gives the plain forward's log-probs on a probe batch."""
-        return fast_path_holds("share_prompt_forward",
-                               lambda: shared_prompt_difference(self.policy, len(self.tokenizer), self.acc.autocast),
-                               self._probe_tolerance(), "running every row's prompt", self._say)
-
-    def _probe_tolerance(self) -> float:
-        return tolerance_for(is_half_precision(self.acc.mixed_precision, self.cfg.dtype))
 
     @contextmanager
     def _timed(self, name: str):
@@ -346,13 +355,22 @@ class RLOOTrainer:
         return weights
 
     # ------------------------------------------------------------------ the loop
-    def train(self) -> TrainResult:
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainResult:
         """Trains to `total_steps`, holding the output_dir lock; an engine-created MLflow run that dies of an
-        error ends FAILED (KILLED on Ctrl-C). A SIGKILL ends nothing: the next run in the directory notices."""
+        error ends FAILED (KILLED on Ctrl-C). A SIGKILL ends nothing: the next run in the directory notices.
+        `resume_from_checkpoint`, as TRL's: a checkpoint directory, or True / "latest" for the newest."""
+        self.logger = None
         try:
+            resume = "latest" if resume_from_checkpoint is True else (resume_from_checkpoint or None)
+            if resume is not None or not self.start_decided:
+                self.resume_path = start_point(self.cfg, self.acc, self.inputs.describe(), resume)
+                self.start_decided = True
+            self.logger = MetricsLogger(self.cfg.output_dir, self.acc.is_main_process, self.cfg.run_name,
+                                        {f"train.{k}": v for k, v in self.cfg.model_dump().items()},
+                                        continue_run=self.resume_path is not None, trackers=self.cfg.trackers())
             return self._train()
         except BaseException as err:
-            if self.acc.is_main_process:
+            if self.acc.is_main_process and self.logger is not None:
                 self.logger.finish("KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED")
             raise
         finally:
@@ -376,8 +394,15 @@ class RLOOTrainer:
         bar = progress_bar(total=self.total_steps, initial=self.global_step, desc="rloo", unit="step",
                            dynamic_ncols=True, disable=not self.acc.is_main_process or c.disable_tqdm)
         step_start, last = time.perf_counter(), {}
+        self.callbacks.event("on_train_begin", c, self.state)
+        if start_step == 0 and c.eval_on_start and self.evaluation.datasets:
+            self._log(train=False, evaluated=self._evaluate())  # logged at step 0, before any update
         self.policy.train()
+        step_begins = True
         while self.global_step < self.total_steps:
+            if step_begins:
+                self.callbacks.event("on_step_begin", c, self.state)
+                step_begins, epoch_before = False, self._epoch()
             if self.batch is None or self.cursor == micro_per_batch:
                 self.batch, self.cursor = self.generation_step(prefetch_next=self._prefetches(micro_per_batch)), 0
             mb = self.batch.micro_batch(self.cursor % self.steps_per_generation, c.per_device_train_batch_size)
@@ -396,7 +421,8 @@ class RLOOTrainer:
             # ---- an optimizer step is complete
             self.window["learning_rate"].append(self.scheduler.get_last_lr()[0])
             self.scheduler.step()
-            self.global_step += 1
+            self.global_step = self.state.global_step = step_begins = self.global_step + 1
+            self.state.epoch = self._epoch()
             maybe_kill(self.global_step, "step")
             self.window["step_time"].append(time.perf_counter() - step_start)
             if self.acc.device.type == "cuda":
@@ -404,20 +430,29 @@ class RLOOTrainer:
             if c.sync_ref_model and self.ref is not None and self.global_step % c.ref_model_sync_steps == 0:
                 with gathered_for_update(self.acc, self.policy, self.ref):
                     sync_reference(self.acc.unwrap_model(self.policy), self.ref, c.ref_model_mixup_alpha)
-            if (self.global_step % c.logging_steps == 0 or self.global_step == self.total_steps
-                    or (c.logging_first_step and self.global_step == 1)):
-                last = self._log()
+            control = self._callback_flags(self.callbacks.event("on_step_end", c, self.state))
+            evaluated = (self._evaluate() if control["should_evaluate"]
+                         or self.evaluation.due(self.global_step, epoch_before, self._epoch()) else {})
+            logging_due = (self.global_step % c.logging_steps == 0 or self.global_step == self.total_steps
+                           or (c.logging_first_step and self.global_step == 1) or control["should_log"])
+            if logging_due or evaluated:
+                logged = self._log(train=logging_due, evaluated=evaluated)
+                last = logged if logging_due else last
                 if self.acc.is_main_process:  # TRL prints each logging step's metrics, with or without a bar
-                    bar.write(metric_line(last), file=sys.stderr)
+                    bar.write(metric_line(logged), file=sys.stderr)
                 bar.set_postfix(reward=format_metric(last.get("reward", float("nan"))),
                                 kl=format_metric(last.get("kl", 0.0)))
             maybe_kill(self.global_step, "logged")
             bar.update(1)
-            if c.save_steps and self.global_step % c.save_steps == 0 and self.global_step < self.total_steps:
+            if ((c.save_steps and self.global_step % c.save_steps == 0) or control["should_save"]) \
+                    and self.global_step < self.total_steps:
                 self._save()
+                self.callbacks.event("on_save", c, self.state)
             if crash_at and self.global_step == crash_at and start_step < crash_at:
                 self.acc.wait_for_everyone()
                 crash(crash_at)
+            if control["should_training_stop"]:
+                break  # a callback's; the final model is saved below
             step_start = time.perf_counter()  # after logging and saving, so they are not billed to the next step
         bar.close()
         self.feed.drain()  # a batch the run turned out not to need: the server must finish it first
@@ -426,6 +461,7 @@ class RLOOTrainer:
         final = ckpt.save_final(self.acc, self.policy, self.tokenizer, out, self._fresh_policy,
                                 save_merged=c.save_merged_model)
         self.logger.finish_run()
+        self.callbacks.event("on_train_end", c, self.state)
         return TrainResult(self.global_step, final, self.logger.path, last, self.logger.run_id)
 
     def _sync_backend(self) -> None:
@@ -433,60 +469,6 @@ class RLOOTrainer:
         with self._timed("weight_sync"), full_weights_for_generation(self.acc, self.policy):
             self.backend.sync_weights(self.acc.unwrap_model(self.policy), step=self.global_step)
         self.synced_step = self.global_step
-
-    # ------------------------------------------------------------------ logging, saving, resuming
-    def _log(self) -> dict[str, float]:
-        """Means over the window since the last log, averaged over processes (rank 0 writes)."""
-        names, local = window_values(self.window)
-        everyone = self.acc.gather(torch.tensor([local], device=self.acc.device, dtype=torch.float64))
-        metrics = reduce_window(names, everyone.tolist())  # (num_processes, K) -> one value each
-        metrics["epoch"] = self._epoch()
-        self.reward_context.logged(self.global_step, metrics)
-        self.logger.log(self.global_step, metrics)
-        if self.cfg.log_completions and self.acc.is_main_process:
-            self.logger.log_completions(self.global_step, self.last_samples,
-                                        self.cfg.num_completions_to_print or self.cfg.num_generations)
-        self.window.clear()
-        return metrics
-
-    def _epoch(self) -> float:  # passes over the prompt dataset so far, fractional, as logged
-        return self.sampler.epoch + self.sampler.state_dict()["position"] / len(self.dataset)
-
-    def _trainer_state(self) -> dict:
-        # A batch still in flight is not saved: a resumed run draws its prompts again.
-        return {"global_step": self.global_step, "sampler": self.feed.state_dict(), "cursor": self.cursor,
-                "total_steps": self.total_steps, "num_processes": self.acc.num_processes,
-                "config": config_snapshot(self.cfg)}  # a resume checks it continues the same trajectory
-
-    def _fresh_policy(self) -> torch.nn.Module:
-        """A whole copy of the initial policy (LoRA-wrapped like it), loaded outside ZeRO-3's partitioning."""
-        with outside_zero_init(self.acc):
-            return load_policy(self.cfg)
-
-    def _save(self) -> None:
-        rank_state = {"batch": self.batch.state_dict() if self.batch is not None else None, "cursor": self.cursor,
-                      "window": dict(self.window)}
-        ckpt.save_checkpoint(self.acc, self.policy, self.tokenizer, self.cfg.output_dir, self.global_step,
-                             self._trainer_state(), rank_state, self.cfg.save_total_limit)
-
-    def _maybe_resume(self) -> int:
-        """Loads `self.resume_path` (validated at start-up); either way the history files end at the start step."""
-        path = self.resume_path
-        if path is None:
-            self.logger.truncate_after(0)  # a run killed before its first checkpoint must not leave steps behind
-            return 0
-        state, rank_state = ckpt.load_checkpoint(self.acc, path)
-        self.global_step = state["global_step"]
-        self.sampler.load_state_dict(state["sampler"])
-        self.cursor = rank_state["cursor"]
-        if rank_state["batch"] is not None:
-            self.batch = GenerationBatch.from_state_dict(rank_state["batch"], self.acc.device)
-        self.window = defaultdict(list, rank_state["window"])
-        self.logger.truncate_after(self.global_step)
-        if self.acc.is_main_process:
-            print(f"rloo-engine: resumed from {path} at step {self.global_step}", file=sys.stderr)
-        return self.global_step
-
 
 def train(cfg: RLOOConfig) -> TrainResult:
     """Entry point of `rloo-engine train`: our own progress bar replaces the libraries' per-file ones."""

@@ -49,10 +49,7 @@ def _refused(note: str, trl_default: Any) -> TrlField:
     return TrlField("refused", note, trl_default=trl_default)
 
 
-_NO_EVAL = ("evaluation during training; this engine trains only (the pipeline's `evaluation:` stage judges the "
-            "final policy), and `eval_strategy` other than `no` is refused")
-_EVAL_REFUSED = ("evaluation during training is not built (the pipeline's `evaluation:` stage judges the final "
-                 "policy); leave it at TRL's default")
+_EVAL_SHAPE = "evaluation generates, scores and logs each eval batch itself (`eval_during_training.py`)"
 _AS_TRL_RLOO = "TRL's RLOOTrainer does not use it either"
 _HUB = "pushing to the Hugging Face Hub; register the model with the pipeline's MLflow stage, or upload `final/` yourself"
 _DATALOADER = "the prompt loader is a plain in-process iterator over a small prompt set, with no worker processes"
@@ -62,7 +59,7 @@ TRL_FIELDS: dict[str, TrlField] = {
     "dataset_name": _same("also a local .jsonl/.json/.parquet/.csv file or dataset directory"),
     "dataset_config": _same(),
     "dataset_train_split": _same(),
-    "dataset_test_split": _ignored(f"TRL uses it only for {_NO_EVAL}"),
+    "dataset_test_split": _same("a single data file has no such split: refused, naming the file"),
     "dataset_streaming": _refused("prompts are loaded whole (a prompt set is small); drop the option", False),
     "ignore_bias_buffers": _refused(
         "a DDP workaround for boolean buffers that TRL's RLOO script does not apply either; drop the option", False),
@@ -99,8 +96,8 @@ TRL_FIELDS: dict[str, TrlField] = {
         "false lets one config run on CPU and GPU alike and keeps the float32 fast paths (decode-time log-probs, "
         "fused decode). Pass `--bf16` for TRL's run on a GPU; the difference is printed at start."),
     "fp16": _same(),
-    "bf16_full_eval": _ignored(f"used only for {_NO_EVAL}"),
-    "fp16_full_eval": _ignored(f"used only for {_NO_EVAL}"),
+    "bf16_full_eval": _ignored("evaluation runs in the training precision (`bf16`/`fp16`, `dtype`)"),
+    "fp16_full_eval": _ignored("evaluation runs in the training precision (`bf16`/`fp16`, `dtype`)"),
     "tf32": _same(),
     "activation_checkpointing": _same("transformers' new name of `gradient_checkpointing`", ours="gradient_checkpointing"),
     "activation_checkpointing_kwargs": _same("transformers' new name of `gradient_checkpointing_kwargs`",
@@ -141,17 +138,17 @@ TRL_FIELDS: dict[str, TrlField] = {
     "trackio_space_id": _refused("trackio is not a tracker here; use `report_to`", None),
     "trackio_bucket_id": _refused("trackio is not a tracker here; use `report_to`", None),
     "trackio_static_space_id": _refused("trackio is not a tracker here; use `report_to`", None),
-    "eval_strategy": _refused(_EVAL_REFUSED, "no"),
-    "eval_steps": _ignored(f"used only for {_NO_EVAL}"),
-    "eval_delay": _ignored(f"used only for {_NO_EVAL}"),
-    "per_device_eval_batch_size": _ignored(f"used only for {_NO_EVAL}"),
-    "prediction_loss_only": _ignored(f"used only for {_NO_EVAL}"),
-    "eval_on_start": _refused(_EVAL_REFUSED, False),
-    "eval_do_concat_batches": _ignored(f"used only for {_NO_EVAL}"),
-    "eval_use_gather_object": _ignored(f"used only for {_NO_EVAL}"),
-    "eval_accumulation_steps": _ignored(f"used only for {_NO_EVAL}"),
-    "include_for_metrics": _ignored(f"used only for {_NO_EVAL}"),
-    "batch_eval_metrics": _ignored(f"used only for {_NO_EVAL}"),
+    "eval_strategy": _same("`steps`, `epoch` or `no`; TRL's metrics with `eval_` (docs/configuration.md)"),
+    "eval_steps": _same("None = `logging_steps`; below 1, a fraction of the run's steps"),
+    "eval_delay": _same(),
+    "per_device_eval_batch_size": _same("completions, not prompts; a multiple of `num_generations_eval`"),
+    "prediction_loss_only": _ignored(f"{_EVAL_SHAPE}; there is no eval loss or prediction to keep"),
+    "eval_on_start": _same("logged at step 0; a resumed run does not repeat it"),
+    "eval_do_concat_batches": _ignored(_EVAL_SHAPE),
+    "eval_use_gather_object": _ignored(_EVAL_SHAPE),
+    "eval_accumulation_steps": _ignored(_EVAL_SHAPE),
+    "include_for_metrics": _ignored(f"{_EVAL_SHAPE}; there are no `compute_metrics` inputs"),
+    "batch_eval_metrics": _ignored(f"{_EVAL_SHAPE}; there is no `compute_metrics`"),
     "save_only_model": _refused("a checkpoint always holds the optimizer, scheduler and RNG state, so a resume "
                                 "continues exactly; `final/` is the model alone", False),
     "save_strategy": _refused("checkpoints are written every `save_steps` (0: only the final model), TRL's default "
@@ -169,9 +166,10 @@ TRL_FIELDS: dict[str, TrlField] = {
     "hub_strategy": _ignored("read only when pushing to the Hub, which is refused (`push_to_hub`)"),
     "hub_always_push": _ignored("read only when pushing to the Hub, which is refused (`push_to_hub`)"),
     "hub_revision": _ignored("read only when pushing to the Hub, which is refused (`push_to_hub`)"),
-    "load_best_model_at_end": _refused(f"there is no best model without {_NO_EVAL}", False),
-    "metric_for_best_model": _ignored(f"used only with `load_best_model_at_end`, i.e. {_NO_EVAL}"),
-    "greater_is_better": _ignored(f"used only with `load_best_model_at_end`, i.e. {_NO_EVAL}"),
+    "load_best_model_at_end": _refused("keeping the checkpoint with the best eval metric is not built; `final/` is "
+                                       "the last step's model", False),
+    "metric_for_best_model": _ignored("used only with `load_best_model_at_end`, which is refused"),
+    "greater_is_better": _ignored("used only with `load_best_model_at_end`, which is refused"),
     "ignore_data_skip": _refused("a resume always continues the prompt order where the run stopped", False),
     "restore_callback_states_from_checkpoint": _refused("there are no Trainer callbacks here", False),
     "full_determinism": _refused("runs are seeded by `seed`; deterministic kernels (`torch.use_deterministic_"
@@ -209,7 +207,7 @@ TRL_FIELDS: dict[str, TrlField] = {
     "debug": _refused("transformers' underflow/overflow debug hooks are not built", ""),
     "skip_memory_metrics": _ignored("logging only: on GPU `memory/max_allocated_gib` is logged whatever this says"),
     "do_train": _ignored("the command trains; TRL's script ignores it too"),
-    "do_eval": _ignored(f"used only for {_NO_EVAL}"),
+    "do_eval": _ignored("`eval_strategy` decides; TRL's script does not read it either"),
     "do_predict": _ignored("TRL's RLOO script never predicts"),
     "resume_from_checkpoint": _same("a checkpoint path as in TRL; also `latest` (the newest complete checkpoint, "
                                     "or a fresh start)"),
@@ -220,7 +218,7 @@ TRL_FIELDS: dict[str, TrlField] = {
     "router_aux_loss_coef": _same(),
     "disable_dropout": _same(),
     "num_generations": _same(),
-    "num_generations_eval": _ignored(f"used only for {_NO_EVAL}"),
+    "num_generations_eval": _same(),
     "max_completion_length": _same(),
     "ds3_gather_for_generation": _refused(
         "under ZeRO-3 the policy is always gathered for generation (TRL's default true)", True),
@@ -299,7 +297,7 @@ TRL_FIELDS: dict[str, TrlField] = {
     "datasets": _refused("one prompt dataset per run: give `dataset_name` (a mixture: concatenate the files first)",
                          []),
     "streaming": _refused("prompts are loaded whole (a prompt set is small)", False),
-    "test_split_size": _ignored(f"used only for {_NO_EVAL}"),
+    "test_split_size": _ignored(f"{_EVAL_SHAPE}; this option has no effect there"),
 }
 
 # Defaults kept deliberately different from TRL's: (ours, TRL's, why); printed once at the start of a run that

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, create_model, model_validator
 
 from rloo_engine.config import RLOOConfig, build_config
-from rloo_engine.config_base import ConfigError, F, StrictModel, load_yaml, validated
+from rloo_engine.config_base import ConfigError, F, StrictModel, import_paths, load_yaml, validated
 from rloo_engine.evaluation.config import (
     EvalConfig,
     EvalGenerationConfig,
@@ -68,7 +68,9 @@ class RewardSection(StrictModel):
         "Reward model (`AutoModelForSequenceClassification`, num_labels=1): a local directory, hub id or MLflow "
         "model URI, like `sft.source`. It is probe-scored before training; NaN or constant scores are rejected.",
     )
-    functions: list[str] = F(
+    functions: Annotated[list[str], import_paths(
+        "the training process `accelerate launch` starts reads its config from a file and cannot receive Python "
+        "objects; give the function's import path 'module:function'")] = F(
         [], "Reward functions as `module:function` import paths; each is imported and probe-called before training."
     )
     weights: list[float] | None = F(

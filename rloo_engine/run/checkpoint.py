@@ -402,6 +402,18 @@ def save_final(
     return root / "final"
 
 
+def save_model_files(accelerator: Accelerator, model: torch.nn.Module, tokenizer, target: str | Path) -> None:
+    """TRL's `save_model`: the model (a LoRA run: its adapter) and tokenizer written into `target`, beside
+    whatever it holds (it may be the run's output_dir, with its checkpoints); every process must call it."""
+    accelerator.wait_for_everyone()
+    state_dict = full_state_dict(accelerator, model)
+    if accelerator.is_main_process:
+        Path(target).mkdir(parents=True, exist_ok=True)
+        accelerator.unwrap_model(model).save_pretrained(target, state_dict=state_dict)
+        tokenizer.save_pretrained(target)
+    accelerator.wait_for_everyone()
+
+
 def _write_model_dir(target: Path, model: torch.nn.Module, state_dict: dict | None, tokenizer) -> None:
     """`save_pretrained` into `.tmp-<name>`, fsynced, then renamed over `target`: never half a model."""
     tmp = target.with_name(f".tmp-{target.name}")

@@ -58,19 +58,23 @@ def content_fingerprint(value: str | None) -> str | None:
     return digest.hexdigest()[:16]
 
 
-def config_snapshot(cfg: RLOOConfig) -> dict[str, Any]:
-    """What a checkpoint records of its run: every option, and the content fingerprint of each path option."""
+def config_snapshot(cfg: RLOOConfig, objects: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a checkpoint records of its run: every option, the content fingerprint of each path option, and what
+    `RLOOTrainer` was given as objects (`TrainerInputs.describe`: dataset fingerprints, reward function names)."""
     values = cfg.model_dump(mode="json")
     values["_fingerprints"] = {name: content_fingerprint(values.get(name)) for name in PATH_OPTIONS}
+    values["_objects"] = objects or {}
     return values
 
 
-def trajectory_differences(saved: dict[str, Any], cfg: RLOOConfig) -> list[str]:
+def trajectory_differences(saved: dict[str, Any], cfg: RLOOConfig, objects: dict[str, Any] | None = None) -> list[str]:
     """`field: saved -> now` for every option outside RESUMABLE_CHANGES whose value differs (path options: whose
-    content differs, when both were fingerprinted)."""
+    content differs, when both were fingerprinted), and for each object given in place of one."""
     now = cfg.model_dump(mode="json")
     fingerprints = saved.get("_fingerprints") or {}
-    differences = []
+    differences = [f"{name} (given to RLOOTrainer): {before!r} -> {(objects or {}).get(name)!r}"
+                   for name, before in (saved.get("_objects") or {}).items()
+                   if before != (objects or {}).get(name)]
     for name, value in now.items():
         if name in RESUMABLE_CHANGES or name not in saved or saved[name] == value:
             continue
@@ -83,7 +87,8 @@ def trajectory_differences(saved: dict[str, Any], cfg: RLOOConfig) -> list[str]:
     return differences
 
 
-def check_start(cfg: RLOOConfig, resume_path: Path | None, report: bool = True) -> None:
+def check_start(cfg: RLOOConfig, resume_path: Path | None, report: bool = True,
+                objects: dict[str, Any] | None = None) -> None:
     """Raises ConfigError when this run would overwrite or mix with another run in `cfg.output_dir`."""
     out = Path(cfg.output_dir)
     if resume_path is not None:
@@ -93,7 +98,7 @@ def check_start(cfg: RLOOConfig, resume_path: Path | None, report: bool = True) 
                 print(f"rloo-engine: {resume_path} holds no config snapshot; cannot check that this run's options "
                       "match the ones it was saved with", file=sys.stderr)
             return
-        if differences := trajectory_differences(saved, cfg):
+        if differences := trajectory_differences(saved, cfg, objects):
             raise ConfigError(
                 f"resume_from_checkpoint: {resume_path} was saved by a run with other options ("
                 + "; ".join(differences)

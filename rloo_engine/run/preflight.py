@@ -8,7 +8,7 @@ from rloo_engine.config import RLOOConfig
 from rloo_engine.config_base import ConfigError
 
 
-def check_before_loading(cfg: RLOOConfig) -> None:
+def check_before_loading(cfg: RLOOConfig, model_given: bool = False) -> None:
     """Raises ConfigError for a reward function that does not import, an output_dir that is a file, or a
     reward model whose tokenizer makes ids its embedding does not have (an IndexError only after every model loaded)."""
     from rloo_engine.reward_sources import load_reward_function
@@ -18,7 +18,9 @@ def check_before_loading(cfg: RLOOConfig) -> None:
         raise ConfigError(f"output_dir: {out} is a file; expected a directory (or a path that does not exist yet)")
     for path in cfg.reward_funcs:
         load_reward_function(path)
-    check_completion_fits(cfg, model_position_limit(cfg.model_name_or_path, cfg.model_revision, cfg.trust_remote_code))
+    if not model_given:  # a model object's own config says its positions (the trainer checks it)
+        check_completion_fits(cfg, model_position_limit(cfg.model_name_or_path, cfg.model_revision,
+                                                        cfg.trust_remote_code))
     if cfg.reward_model_name_or_path:
         check_tokenizer_fits_embedding("reward_model_name_or_path", cfg.reward_model_name_or_path,
                                        trust_remote_code=cfg.trust_remote_code)

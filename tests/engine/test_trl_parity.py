@@ -89,14 +89,18 @@ def ours_for(name: str, command) -> object:
     return getattr(command.config, entry.ours or name)
 
 
-@pytest.fixture(scope="module")
-def trl_parse():
+def require_trl() -> None:
     if not TRL_PYTHON.exists():
         message = (f"TRL's venv {TRL_VENV} is missing; build it with `bash bench/setup_trl_venv.sh` "
                    "(or point RLOO_TRL_VENV at one)")
         if os.environ.get("RLOO_REQUIRE_TRL") == "1":
             pytest.fail(message)
         pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def trl_parse():
+    require_trl()
 
     def run(requests: list[dict]) -> dict:
         proc = subprocess.run([str(TRL_PYTHON), str(REPO / "tests/engine/scripts/trl_parse.py")],
@@ -188,3 +192,33 @@ def test_trls_documented_command_trains_as_many_steps_here(trl_answers):
     assert trl_steps == 108
     assert cfg.total_steps_for(dataset_size=576, num_processes=1) == trl_steps
 
+
+
+def test_eval_metric_names_are_trls(tmp_path, qwen2_model):
+    """TRL's RLOOTrainer evaluating during training (in .venv-trl) against ours on the same model and prompts:
+    every eval metric TRL logs about completions, rewards and KL is logged here under the same name."""
+    from tests.engine.helpers import prompt_file
+
+    require_trl()
+    prompts = prompt_file(tmp_path)
+    proc = subprocess.run([str(TRL_PYTHON), str(REPO / "tests/engine/scripts/trl_eval_names.py"), str(qwen2_model),
+                           str(prompts), str(tmp_path / "trl")], capture_output=True, text=True, timeout=600,
+                          env=trl_environment())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trl_names = set(json.loads(proc.stdout.strip().splitlines()[-1]))
+    from rloo_engine import RLOOTrainer
+    from tests.engine.helpers import prompt_file, read_metrics, tiny_config
+
+    cfg = tiny_config(tmp_path, qwen2_model, max_steps=1, beta=0.05, eval_strategy="steps", eval_steps=1,
+                      per_device_eval_batch_size=4, num_generations_eval=2)
+    import datasets
+
+    RLOOTrainer(cfg, eval_dataset=datasets.load_dataset("json", data_files=str(prompts), split="train").select(
+        range(4))).train()
+    ours = {k for row in read_metrics(cfg.output_dir) for k in row if k.startswith("eval_")}
+    # About the policy's completions: TRL's names, all of them here. Trainer bookkeeping (eval_loss of a forward
+    # with no labels, steps per second, the training forward's entropy and clip ratios) is TRL's own.
+    about_completions = {n for n in trl_names if n.startswith(("eval_reward", "eval_rewards/", "eval_kl",
+                                                               "eval_completions/", "eval_frac_reward_zero_std"))}
+    assert about_completions and about_completions <= ours, sorted(about_completions - ours)
+    assert "eval_runtime" in trl_names and "eval_runtime" in ours and "eval_samples_per_second" in ours
