@@ -83,11 +83,12 @@ class TrainerBookkeeping:
             ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1).to(self.acc.device)
             attention = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1).to(self.acc.device)
             mask, P, n = rollout.completion_mask.to(self.acc.device), rollout.prompt_ids.size(1), c.per_device_eval_batch_size
-            with self.acc.autocast():
-                logps = batched_token_logps(self.policy, ids, attention, P, c.temperature, n, self.chunked_logprobs)
+            with self.acc.autocast():  # the training forwards' fast paths: a group's prompt runs once
+                logps = batched_token_logps(self.policy, ids, attention, P, c.temperature, n, self.chunked_logprobs,
+                                            self.share_prompts)
                 with reference_context(self.acc.unwrap_model(self.policy), self.ref):
                     ref_logps = batched_token_logps(self.ref or self.policy, ids, attention, P, c.temperature, n,
-                                                    self.chunked_logprobs)
+                                                    self.chunked_logprobs, self.share_prompts)
             return A.sequence_kl(logps, ref_logps, mask)
 
         self.policy.eval()

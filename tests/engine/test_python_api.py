@@ -242,3 +242,28 @@ def test_the_seed_example_needs_no_args_and_writes_where_trl_writes(tmp_path, qw
     trainer = RLOOTrainer(model=model, reward_funcs=target_token_fraction, train_dataset=prompts(tmp_path))
     assert trainer.cfg.output_dir == "qwen2-RLOO"
     assert trainer.total_steps == 24 and trainer.cfg.num_generations == 2
+
+
+def readme_python_example() -> str:
+    from tests.engine.helpers import REPO
+
+    text = (REPO / "README.md").read_text()
+    start = text.index("```python\n", text.index("<!-- python-api-example")) + len("```python\n")
+    return text[start:text.index("```", start)]
+
+
+def test_the_readme_python_example_runs(tmp_path, qwen2_model, monkeypatch):
+    """README's block as written, with the hub id swapped for a local tiny model (no downloads) and fewer steps."""
+    code = readme_python_example()
+    assert '"Qwen/Qwen2-0.5B-Instruct"' in code and "max_steps=200, save_steps=50" in code
+    code = code.replace('"Qwen/Qwen2-0.5B-Instruct"', repr(str(qwen2_model)))
+    code = code.replace("max_steps=200, save_steps=50", "max_steps=4, save_steps=2, per_device_train_batch_size=8, "
+                        "max_completion_length=8").replace("eval_steps=50", "eval_steps=2")
+    monkeypatch.chdir(tmp_path)
+    rows = [json.loads(line) for line in prompt_file(tmp_path).read_text().splitlines()]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({**r, "ground_truth": r["topic"]}) + "\n" for r in rows))
+    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+    out = tmp_path / "Qwen2-0.5B-RLOO"
+    assert (out / "final" / "model.safetensors").is_file() and (out / "checkpoint-2").is_dir()
+    assert [r["step"] for r in read_metrics(out) if "eval_reward" in r] == [2, 4]
+    assert any("rewards/accuracy_reward/mean" in r for r in read_metrics(out))  # the last step is always logged
