@@ -90,6 +90,8 @@ class RLOOTrainer(TrainerBookkeeping):
                                                      peft_config)
         self.cfg = self.args = cfg
         self.acc = build_accelerator(cfg)
+        for line in self.inputs.unset_differences:
+            self._say(line)
         settle_machine_flags(cfg, self.acc, self._say)  # tf32, log_level, GPU-only options, a DeepSpeed JSON
         # Before anything loads: reward imports, tokenizer sizes, output_dir, this run's lock, the checkpoint.
         # `RLOOTrainer(cfg)` decides where it starts now (its config says); TRL's form in train(resume_from_checkpoint).
@@ -387,7 +389,8 @@ class RLOOTrainer(TrainerBookkeeping):
             ckpt.remove_partial_writes(out)  # a killed run's .tmp-checkpoint-N; the lock says none is being written
             save_config(c, out / "config.yaml")
         start_step = self._maybe_resume()
-        if start_step == 0 and getattr(self.backend, "starts_with_model_weights", False):
+        # A model object may differ from the files it came from (vLLM loaded those): it is synced first.
+        if start_step == 0 and getattr(self.backend, "starts_with_model_weights", False) and self.inputs.policy is None:
             self.synced_step = 0  # it loaded model_name_or_path itself: nothing has changed yet
         crash_at = crash_step()
         micro_per_batch = self.steps_per_generation * c.num_iterations

@@ -22,6 +22,7 @@ from rloo_engine.config import RLOOConfig
 from rloo_engine.config_base import ConfigError
 from rloo_engine.data import DataError, _validate_prompts, load_prompt_dataset
 from rloo_engine.models import load_tokenizer
+from rloo_engine.trl_fields import DEFAULT_DIFFERENCES
 
 
 @dataclass
@@ -38,6 +39,7 @@ class TrainerInputs:
     peft_config: Any = None
     callbacks: list = field(default_factory=list)
     config_only: bool = False  # `RLOOTrainer(cfg)`: the config says where the run starts, checked at construction
+    unset_differences: list[str] = field(default_factory=list)  # TRL defaults kept different and left unset
 
     def describe(self) -> dict[str, Any]:
         """What a checkpoint records of the objects, so a resume with other data or rewards is refused."""
@@ -64,6 +66,11 @@ def resolve_trainer_arguments(
     update: dict[str, Any] = {}
     if args is None:
         args = RLOOConfig(output_dir=f"{_model_name(model)}-RLOO")  # TRL's default output_dir
+    if not config_only:  # said once at start, as the command line says it (cli.default_differences)
+        inputs.unset_differences = [
+            f"rloo-engine: {name}: {json.dumps(ours)} here (TRL: {json.dumps(trl)}) because {why}; "
+            f"RLOOConfig({name}=True) gives TRL's"
+            for name, (ours, trl, why) in DEFAULT_DIFFERENCES.items() if name not in args.model_fields_set]
     if isinstance(model, str):
         update["model_name_or_path"] = model
     elif isinstance(model, torch.nn.Module):

@@ -15,6 +15,7 @@ TARGET = ROOT / "docs" / "configuration.md"
 # (heading, "module:Class", where it is used); a class that does not exist yet is skipped.
 SECTIONS = [
     ("Training engine: `RLOOConfig`", "rloo_engine.config:RLOOConfig",
+     "`RLOOTrainer(args=RLOOConfig(...))` in Python (`from rloo_engine import RLOOConfig, RLOOTrainer`, as TRL's), "
      "`rloo-engine train --config cfg.yaml` and every `--flag`; the pipeline's `train:` section."),
     ("Evaluation: `EvalConfig`", "rloo_engine.evaluation:EvalConfig",
      "`rloo-engine evaluate --config eval.yaml`; the pipeline's `evaluation:` section."),

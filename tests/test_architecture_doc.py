@@ -57,11 +57,12 @@ def test_the_engine_root_holds_the_loop_the_math_config_data_models_rewards_and_
     assert not {m for m in root if m.startswith(("generation", "vllm", "run_", "checkpoint", "fused", "kv_cache",
                                                    "sampling", "train_preflight", "fault_injection", "rollout"))}
     rooms = {  # what the engine root holds; a new root module needs a place here, or a room of its own
-        "loop": {"trainer", "batch", "prompt_feed", "logprobs", "prompt_sharing", "fast_path", "distributed",
+        "loop": {"trainer", "trainer_inputs", "trainer_bookkeeping", "callbacks", "eval_during_training", "batch",
+                 "prompt_feed", "prompt_stream", "logprobs", "prompt_sharing", "fast_path", "distributed",
                  "metrics", "progress", "trackers", "optim", "schedules", "machine_flags"},
         "math": {"algorithm"},
-        "config": {"config", "config_base", "config_docs", "config_model_options", "config_vllm_options", "import_paths",
-                   "trl_fields"},
+        "config": {"config", "config_base", "config_docs", "config_model_options", "config_vllm_options",
+                   "config_eval_options", "import_paths", "trl_fields"},
         "data": {"data"},
         "models": {"models"},
         "rewards": {"reward_sources", "reward_functions", "reward_context"},

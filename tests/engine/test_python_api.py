@@ -197,26 +197,30 @@ def test_arguments_the_engine_cannot_take_are_named_before_anything_loads(tmp_pa
 
 
 @pytest.mark.slow
-def test_the_python_api_under_accelerate_launch_with_two_processes_resumes_exactly(tmp_path, qwen2_model):
+@pytest.mark.parametrize("profile", [None, "deepspeed_zero3"])
+def test_the_python_api_under_accelerate_launch_with_two_processes_resumes_exactly(tmp_path, qwen2_model, profile):
     """Each process runs the script and builds its own objects (nothing is pickled across); a crash after step 3
-    and `train(resume_from_checkpoint=True)` end where the straight 2-process run ends, on both ranks."""
+    and `train(resume_from_checkpoint=True)` end where the straight 2-process run ends (DDP, and DeepSpeed ZeRO-3
+    from accelerate's profile)."""
     import os
     import subprocess
     import sys
 
+    from safetensors.torch import load_file
+
     from tests.engine.helpers import REPO, repo_pythonpath
 
     data = prompt_file(tmp_path)
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--main_process_port", "0", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              str(REPO / "tests/engine/scripts/api_train_and_digest.py")]
-    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
+    launcher = (["--config_file", str(REPO / "deployments/accelerate" / f"{profile}.yaml")] if profile else
+                ["--multi_gpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"])
+    launch = [sys.executable, "-m", "accelerate.commands.launch", *launcher, "--num_processes", "2",
+              "--main_process_port", "0", str(REPO / "tests/engine/scripts/api_train_and_digest.py")]
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     env.pop("MLFLOW_TRACKING_URI", None)
 
     def run(out, *extra, crash=None):
-        proc = subprocess.run(launch + [str(out), str(qwen2_model), str(data), *extra], capture_output=True,
+        return subprocess.run(launch + [str(out), str(qwen2_model), str(data), *extra], capture_output=True,
                               text=True, timeout=600, cwd=REPO, env={**env, **({CRASH_ENV: crash} if crash else {})})
-        return proc
 
     straight = run(tmp_path / "straight")
     assert straight.returncode == 0, straight.stderr[-4000:]
@@ -227,13 +231,33 @@ def test_the_python_api_under_accelerate_launch_with_two_processes_resumes_exact
         a = json.loads((tmp_path / "straight" / f"digest-rank{rank}.json").read_text())
         b = json.loads((tmp_path / "crashed" / f"digest-rank{rank}.json").read_text())
         assert a["num_processes"] == 2 and a["step"] == b["step"] == 4
-        assert a["digest"] == b["digest"]
+        assert a["digest"] == b["digest"]  # this rank's parameters (its shards under ZeRO-3)
         assert b["callback_steps"] == 2  # the resumed process ran steps 3 and 4 (from checkpoint-2)
         assert a["log_history_steps"] == b["log_history_steps"] == [1, 2, 2, 3, 4, 4]  # train rows + eval rows
+    final = [load_file(str(tmp_path / run_dir / "final" / "model.safetensors")) for run_dir in ("straight", "crashed")]
+    assert final[0].keys() == final[1].keys() and all(torch.equal(final[0][k], final[1][k]) for k in final[0])
     assert [r["step"] for r in read_metrics(tmp_path / "crashed") if "eval_reward" in r] == [2, 4]
 
 
-def test_the_seed_example_needs_no_args_and_writes_where_trl_writes(tmp_path, qwen2_model, monkeypatch):
+def test_another_run_into_the_output_dir_of_a_live_trainer_is_refused(tmp_path, qwen2_model):
+    """The lock is taken when the trainer is built (as TRL loads its models then) and held until train() ends."""
+    import subprocess
+    import sys
+
+    from tests.engine.helpers import REPO, repo_pythonpath
+
+    live = RLOOTrainer(model=str(qwen2_model), reward_funcs=target_token_fraction, args=args(tmp_path),
+                       train_dataset=prompts(tmp_path))
+    other = subprocess.run([sys.executable, "-m", "rloo_engine", "train", "--model_name_or_path", str(qwen2_model),
+                            "--dataset_name", str(prompt_file(tmp_path)), "--reward_funcs",
+                            "tests.engine.helpers:target_token_fraction", "--output_dir", live.cfg.output_dir],
+                           capture_output=True, text=True, timeout=300, cwd=REPO,
+                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": repo_pythonpath(), "HOME": str(tmp_path)})
+    assert other.returncode == 2 and "is in use by another run" in other.stderr, other.stderr[-2000:]
+    live.train()
+    assert (tmp_path / "out" / "final").is_dir()
+
+def test_the_seed_example_needs_no_args_and_writes_where_trl_writes(tmp_path, qwen2_model, monkeypatch, capsys):
     """`RLOOTrainer(model=..., reward_funcs=..., train_dataset=...)` alone: TRL's default output_dir
     (`<model name>-RLOO`) and TRL's defaults (3 epochs, G=2: 32 prompts * 3 / 4 prompts a step = 24 steps)."""
     monkeypatch.chdir(tmp_path)
@@ -242,6 +266,12 @@ def test_the_seed_example_needs_no_args_and_writes_where_trl_writes(tmp_path, qw
     trainer = RLOOTrainer(model=model, reward_funcs=target_token_fraction, train_dataset=prompts(tmp_path))
     assert trainer.cfg.output_dir == "qwen2-RLOO"
     assert trainer.total_steps == 24 and trainer.cfg.num_generations == 2
+    said = capsys.readouterr().err  # the defaults kept different from TRL's, said once as the command line says them
+    assert "rloo-engine: bf16: false here (TRL: true) because" in said
+    assert "rloo-engine: gradient_checkpointing: false here (TRL: true)" in said
+    RLOOTrainer(model=model, reward_funcs=target_token_fraction, train_dataset=prompts(tmp_path),
+                args=RLOOConfig(output_dir="explicit", bf16=False, gradient_checkpointing=False))
+    assert "here (TRL: true)" not in capsys.readouterr().err  # set by the user: nothing to say
 
 
 def readme_python_example() -> str:

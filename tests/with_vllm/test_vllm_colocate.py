@@ -259,3 +259,21 @@ def test_truncated_sampling_log_probs_are_the_trainers_less_the_kept_mass(greedy
     print(f"{truncation}: |trainer - kept - vLLM| max {corrected.max():.2e}; uncorrected mean {uncorrected.mean():.2e}")
     assert corrected.max() < LOGPROB_TOLERANCE
     assert uncorrected.mean() > 100 * LOGPROB_TOLERANCE  # the defect: rho = prod_t Z_t at the sampling weights
+
+
+def test_the_python_api_with_a_model_object_syncs_it_into_vllm_before_sampling(vllm_policy, tmp_path):
+    """`RLOOTrainer(model=<object>, ..., args=RLOOConfig(use_vllm=True))`: vLLM builds its engine from the object's
+    directory, whose weights are not the object's; the object's weights go into vLLM before the first batch, so
+    vLLM's log-probs are the trainer's from step 1. Evaluation during training samples through vLLM too."""
+    prompts = tiny_models.write_prompt_file(tmp_path / "prompts.jsonl")
+    env = user_environment(PYTHONPATH=repo_pythonpath(), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    proc = subprocess.run([sys.executable, "tests/engine/scripts/api_vllm_train.py", str(vllm_policy), str(prompts),
+                           str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    train = [r for r in rows if "reward" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    assert all(r["vllm/logprob_diff_max"] < LOGPROB_TOLERANCE for r in train)
+    assert [r["step"] for r in rows if "eval_reward" in r] == [1, 2]
