@@ -78,9 +78,27 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"--config: {p} does not exist or is not a file; expected a YAML config file")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"--config: {p} is not UTF-8 text (byte {err.start} is {err.object[err.start]:#04x}); "
+                          "expected a YAML file") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"--config: {p} is not valid YAML: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config: {p} holds a {type(data).__name__}; expected a mapping of option: value")
     return data
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load, except that a key given twice in one mapping is an error (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice (lines {seen[key]} and {line}); keep one", key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)

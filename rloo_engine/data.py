@@ -44,6 +44,8 @@ def _load_split(name: str, config: str | None, split: str) -> datasets.Dataset:
             raise DataError(
                 f"dataset_name: {name} has suffix {path.suffix!r}; expected one of {sorted(_FILE_BUILDERS)}"
             )
+        if path.stat().st_size == 0:  # datasets fails on it with a bare "StopIteration"
+            raise DataError(f"dataset_name: {name} is an empty file; expected at least one row with a 'prompt'")
         # A single file has no splits of its own, so it becomes whichever split was asked for.
         return _guarded(name, lambda: datasets.load_dataset(builder, data_files={split: str(path)}, split=split))
     if path.is_dir():

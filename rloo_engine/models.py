@@ -55,6 +55,9 @@ def load_tokenizer(path: str, cfg: RLOOConfig | None = None):
         tok = AutoTokenizer.from_pretrained(path, **(hub_kwargs(cfg) if cfg is not None else {}))
     except (OSError, ValueError) as err:
         raise ConfigError(f"model_name_or_path: cannot load a tokenizer from {path!r}: {err}") from None
+    if len(tok) < 2:  # transformers 5 makes an empty one where no tokenizer files are
+        raise ConfigError(f"model_name_or_path: {path!r} has no usable tokenizer ({len(tok)} token); expected the "
+                          "tokenizer saved with the model")
     if tok.eos_token_id is None:
         raise ConfigError(f"model_name_or_path: tokenizer of {path!r} has no eos_token; completions could never end")
     if tok.pad_token_id is None:

@@ -45,6 +45,7 @@ class TrainerInputs:
         """What a checkpoint records of the objects, so a resume with other data or rewards is refused."""
         return {
             "model": None if self.policy is None else type(self.policy).__name__,
+            "processing_class": None if self.tokenizer is None else type(self.tokenizer).__name__,
             "train_dataset": _fingerprint(self.train_dataset),
             "reward_funcs": None if self.reward_funcs is None else [_label(f) for f in self.reward_funcs],
         }

@@ -19,6 +19,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from rloo_engine.config_base import ConfigError
+from rloo_engine.run.preflight import check_tokenizer_saved
 
 Kind = Literal["causal_lm", "reward_model"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -260,6 +261,7 @@ def inspect_checkpoint(directory: Path, kind: Kind, field: str) -> CheckpointFac
         config = AutoConfig.from_pretrained(directory)
     except Exception as err:
         raise ConfigError(f"{where}: config.json does not load: {type(err).__name__}: {err}") from err
+    check_tokenizer_saved(field, str(directory))  # else transformers 5 returns an empty tokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory)
     except Exception as err:

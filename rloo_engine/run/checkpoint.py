@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from rloo_engine.config_base import ConfigError
@@ -50,6 +51,11 @@ def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (full disk, I/O error); the partial directory has been removed."""
+
+
+# What a failed write raises: OSError; torch's short write is a RuntimeError ("unexpected pos"); safetensors'
+# full disk is its own SafetensorError ("No space left on device").
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 
 
 def _numbered_dirs(output_dir: str | Path) -> list[Path]:
@@ -76,9 +82,9 @@ def resolve_resume(resume_from_checkpoint: str | None, output_dir: str | Path, n
                 return path
             if report:
                 print(f"rloo-engine: skipping {path}: {problem}; trying an older checkpoint", file=sys.stderr)
-        if report:
-            print(f"rloo-engine: no usable checkpoint in {output_dir}; starting from step 0", file=sys.stderr)
-        return None
+        if report and not _numbered_dirs(output_dir):
+            print(f"rloo-engine: no checkpoint in {output_dir} yet; starting from step 0", file=sys.stderr)
+        return None  # with unusable ones only, the start check refuses (continuity.check_start)
     path = Path(resume_from_checkpoint)
     if not path.is_dir():
         raise ConfigError(
@@ -303,7 +309,7 @@ def save_checkpoint(
         accelerator.save_state(str(tmp / "accelerate"))
         torch.save(rank_state, tmp / f"rank{accelerator.process_index}.pt")
         maybe_kill(step, "checkpoint-partial")
-    except (OSError, RuntimeError) as err:  # torch reports a short write as RuntimeError ("unexpected pos")
+    except WRITE_ERRORS as err:
         error = err
     # The gather below is collective, so a rank that failed still joins it.
     state_dict = full_state_dict(accelerator, model)
@@ -313,7 +319,7 @@ def save_checkpoint(
             tokenizer.save_pretrained(tmp)
             (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=1))
             _fsync_tree(tmp)
-        except (OSError, RuntimeError) as err:
+        except WRITE_ERRORS as err:
             error = err
     if _any_rank(accelerator, error is not None):
         if accelerator.is_main_process:
@@ -384,22 +390,42 @@ def save_final(
     root = Path(output_dir)
     accelerator.wait_for_everyone()
     state_dict = full_state_dict(accelerator, model)
+    error = None
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
-        # A PeftModel given the whole state dict keeps only the adapter's entries.
-        _write_model_dir(root / "final", unwrapped, state_dict, tokenizer)
-        merged_dir = root / MERGED_DIR
-        if hasattr(unwrapped, "peft_config") and save_merged:
-            merged = fresh_policy()
-            missing, unexpected = merged.load_state_dict(state_dict, strict=False)
-            if unexpected or set(missing) - _tied_aliases(merged):
-                raise RuntimeError(f"{MERGED_DIR}: gathered weights do not fit a fresh policy (missing {missing}, "
-                                   f"unexpected {unexpected})")
-            _write_model_dir(merged_dir, merged.merge_and_unload(), None, tokenizer)
-        else:
-            shutil.rmtree(merged_dir, ignore_errors=True)
+        try:
+            # A PeftModel given the whole state dict keeps only the adapter's entries.
+            _write_model_dir(root / "final", unwrapped, state_dict, tokenizer)
+            merged_dir = root / MERGED_DIR
+            if hasattr(unwrapped, "peft_config") and save_merged:
+                merged = fresh_policy()
+                missing, unexpected = merged.load_state_dict(state_dict, strict=False)
+                if unexpected or set(missing) - _tied_aliases(merged):
+                    raise RuntimeError(f"{MERGED_DIR}: gathered weights do not fit a fresh policy (missing "
+                                       f"{missing}, unexpected {unexpected})")
+                _write_model_dir(merged_dir, merged.merge_and_unload(), None, tokenizer)
+            else:
+                shutil.rmtree(merged_dir, ignore_errors=True)
+        except WRITE_ERRORS as err:
+            error = err
+    if _any_rank(accelerator, error is not None):
+        raise CheckpointWriteError(_final_failed(root, error)) from error
     accelerator.wait_for_everyone()
     return root / "final"
+
+
+def _final_failed(root: Path, error: BaseException | None) -> str:
+    """What a failed `final/` write says: why, the space left, and what of the run is still on disk."""
+    for partial in (root / ".tmp-final", root / f".tmp-{MERGED_DIR}"):
+        shutil.rmtree(partial, ignore_errors=True)
+    free = shutil.disk_usage(root).free if root.is_dir() else 0
+    kept = next((p for p in _numbered_dirs(root) if (p / STATE_FILE).is_file()), None)
+    cause = f"{type(error).__name__}: {error}" if error else "rank 0 failed"
+    then = (f"the newest checkpoint, {kept}, is kept: free space and run again with --resume_from_checkpoint latest "
+            "to write final/ from it" if kept else "no checkpoint was kept (save_steps), so the trained weights are "
+            "lost; give the run a disk with room for checkpoints and final/")
+    return f"final: writing {root / 'final'} failed ({cause}); {free} bytes free on {root}; the partial write was " \
+           f"removed; {then}"
 
 
 def save_model_files(accelerator: Accelerator, model: torch.nn.Module, tokenizer, target: str | Path) -> None:

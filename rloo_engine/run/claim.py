@@ -21,7 +21,8 @@ def claim_output_dir(cfg: RLOOConfig, acc: Accelerator, objects: dict | None = N
     """Checks the config's cheap inputs, takes the directory's lock (rank 0), checks that every node sees one
     filesystem, then (`decide_start`) decides where the run starts (`start_point`). Returns (the lock, or None off
     rank 0; the resume path). `RLOOTrainer(model=...)` decides the start later, in `train(resume_from_checkpoint)`."""
-    check_before_loading(cfg, bool((objects or {}).get("model")))  # reward imports, sizes, output_dir: before the lock
+    given = objects or {}  # what RLOOTrainer was given as objects is not looked for on disk
+    check_before_loading(cfg, bool(given.get("model")), bool(given.get("processing_class")))  # before the lock
     lock = acquire_run_lock(cfg.output_dir) if acc.is_main_process else None
     try:
         check_output_dir_shared(acc, cfg.output_dir)  # checkpoints need one filesystem across nodes
@@ -36,9 +37,10 @@ def start_point(cfg: RLOOConfig, acc: Accelerator, objects: dict | None = None, 
     """Resolves the checkpoint to resume from (`resume`, else the config's), refuses to overwrite or mix another
     run, and clears the previous outputs when `overwrite_output_dir` says so (`objects`: what RLOOTrainer was given
     as objects, as `config_snapshot` records them)."""
-    resume_path = ckpt.resolve_resume(resume or cfg.resume_from_checkpoint, cfg.output_dir, acc.num_processes,
+    resume = resume or cfg.resume_from_checkpoint
+    resume_path = ckpt.resolve_resume(resume, cfg.output_dir, acc.num_processes,
                                       acc.distributed_type == DistributedType.DEEPSPEED, report=acc.is_main_process)
-    check_start(cfg, resume_path, report=acc.is_main_process, objects=objects)  # never overwrite or mix another run
+    check_start(cfg, resume_path, acc.is_main_process, objects, resume)  # never overwrite or mix another run
     if cfg.overwrite_output_dir and acc.is_main_process:
         if removed := clear_previous_outputs(Path(cfg.output_dir)):
             print(f"rloo-engine: overwrite_output_dir: removed {', '.join(removed)} from {cfg.output_dir}",

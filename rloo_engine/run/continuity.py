@@ -88,8 +88,9 @@ def trajectory_differences(saved: dict[str, Any], cfg: RLOOConfig, objects: dict
 
 
 def check_start(cfg: RLOOConfig, resume_path: Path | None, report: bool = True,
-                objects: dict[str, Any] | None = None) -> None:
-    """Raises ConfigError when this run would overwrite or mix with another run in `cfg.output_dir`."""
+                objects: dict[str, Any] | None = None, resume: str | None = None) -> None:
+    """Raises ConfigError when this run would overwrite or mix with another run in `cfg.output_dir`. `resume`: what
+    was asked for (`latest` that found no usable checkpoint among some is refused, not started over)."""
     out = Path(cfg.output_dir)
     if resume_path is not None:
         saved = json.loads((resume_path / "trainer_state.json").read_text()).get("config")
@@ -109,6 +110,12 @@ def check_start(cfg: RLOOConfig, resume_path: Path | None, report: bool = True,
     found = previous_outputs(out)
     if not found or cfg.overwrite_output_dir:
         return
+    if resume == "latest" and any(name.startswith("checkpoint-") for name in found):
+        raise ConfigError(
+            f"resume_from_checkpoint: latest found no usable checkpoint in {out} (each one skipped is named above), "
+            "so the run cannot continue. Start it over with --overwrite_output_dir true (which deletes "
+            f"{', '.join(found)}), or train into another output_dir. Nothing was changed"
+        )
     unfinished = not any(name == "final/" or name.startswith("checkpoint-") for name in found)
     if unfinished and _same_run_started_here(cfg, out):
         return  # this same run's attempt, killed before its first checkpoint: it starts over

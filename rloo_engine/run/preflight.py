@@ -7,8 +7,12 @@ from pathlib import Path
 from rloo_engine.config import RLOOConfig
 from rloo_engine.config_base import ConfigError
 
+# Files one of which a saved tokenizer has (fast, sentencepiece, BPE/WordPiece vocabularies).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "vocab.txt")
 
-def check_before_loading(cfg: RLOOConfig, model_given: bool = False) -> None:
+
+def check_before_loading(cfg: RLOOConfig, model_given: bool = False, tokenizer_given: bool = False) -> None:
     """Raises ConfigError for a reward function that does not import, an output_dir that is a file, or a
     reward model whose tokenizer makes ids its embedding does not have (an IndexError only after every model loaded)."""
     from rloo_engine.reward_sources import load_reward_function
@@ -18,12 +22,25 @@ def check_before_loading(cfg: RLOOConfig, model_given: bool = False) -> None:
         raise ConfigError(f"output_dir: {out} is a file; expected a directory (or a path that does not exist yet)")
     for path in cfg.reward_funcs:
         load_reward_function(path)
+    if not tokenizer_given and cfg.model_name_or_path:
+        check_tokenizer_saved("model_name_or_path", cfg.model_name_or_path)
     if not model_given:  # a model object's own config says its positions (the trainer checks it)
         check_completion_fits(cfg, model_position_limit(cfg.model_name_or_path, cfg.model_revision,
                                                         cfg.trust_remote_code))
     if cfg.reward_model_name_or_path:
+        check_tokenizer_saved("reward_model_name_or_path", cfg.reward_model_name_or_path)
         check_tokenizer_fits_embedding("reward_model_name_or_path", cfg.reward_model_name_or_path,
                                        trust_remote_code=cfg.trust_remote_code)
+
+
+def check_tokenizer_saved(field: str, path_or_id: str) -> None:
+    """A local model directory must hold its tokenizer: without one, transformers 5 returns an empty tokenizer and
+    training fails only after every model loaded (`IndexError: index -1 is out of bounds`)."""
+    path = Path(path_or_id).expanduser()
+    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"{field}: {path_or_id} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
+                          "expected the tokenizer saved beside the model (tokenizer.save_pretrained(...) into it), "
+                          "or from Python RLOOTrainer(processing_class=...)")
 
 
 def check_tokenizer_fits_embedding(field: str, path_or_id: str, trust_remote_code: bool = False) -> None:

@@ -150,3 +150,14 @@ def test_eval_options_that_cannot_work_are_refused(tmp_path, qwen2_model, overri
 def test_eval_strategy_without_an_eval_dataset_is_named(tmp_path, qwen2_model):
     with pytest.raises(ConfigError, match="eval_strategy: 'steps', but dataset_name .* is one file"):
         RLOOTrainer(tiny_config(tmp_path, qwen2_model))
+
+
+def test_the_eval_cost_bench_runs_a_cell(tmp_path):
+    """bench/eval_cost.py, whose grid bench/README.md quotes, on its smallest cell."""
+    from tests.engine.helpers import REPO
+
+    proc = subprocess.run([sys.executable, "bench/eval_cost.py", "--hidden", "32", "--vocab", "512",
+                           "--prompt-length", "8", "--steps", "2", "--eval-prompts", "4"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": repo_pythonpath()})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "worst cell: hidden 32 vocab 512 prompt 8: an eval completion costs" in proc.stdout
