@@ -31,6 +31,7 @@ COMMANDS = {
     "evaluate": "judge policy / SFT / reference completions pairwise: win rates with CIs (EvalConfig YAML)",
     "tiny-assets": "write a tiny policy and prompt file for smoke runs (offline, seconds)",
     "vllm-serve": "start vLLM's OpenAI server for `vllm_mode: server` (weight transfer on, processed log-probs)",
+    "mlflow-sync": "send MLflow what a run's tracking server did not take (its metrics.jsonl rows, files, status)",
 }
 
 def _truthy(text: str) -> bool:
@@ -283,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
             from rloo_engine.generation.vllm_serve import main as vllm_serve_main
 
             return vllm_serve_main(rest)
+        if command == "mlflow-sync":
+            return mlflow_sync_main(rest)
         from rloo_engine.testing.tiny_models import tiny_assets_main
 
         return tiny_assets_main(rest)
@@ -295,6 +298,18 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {err}", file=sys.stderr)
         return code
+
+
+def mlflow_sync_main(argv: list[str]) -> int:
+    """`rloo-engine mlflow-sync OUTPUT_DIR`: what the run's MLflow server did not take while it trained (its
+    `mlflow_pending.json`): the missing rows of `metrics.jsonl`, the files, the end status. Exit 1 while it still
+    fails (run it again later)."""
+    from rloo_engine.argparsing import StrictArgumentParser
+    from rloo_engine.mlflow_sender import sync_output_dir
+
+    parser = StrictArgumentParser(prog="rloo-engine mlflow-sync", description=mlflow_sync_main.__doc__)
+    parser.add_argument("output_dir", help="the run's output_dir")
+    return sync_output_dir(parser.parse_args(argv).output_dir)
 
 
 def _failure_exit_code(err: Exception) -> int | None:

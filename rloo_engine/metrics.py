@@ -11,7 +11,9 @@ sets the period (10 s).
 
 Each step is in every sink once, however often the run was killed and resumed: on start the JSONL files
 are cut back to the start step (a torn last line dropped), and MLflow is not sent a step it already
-holds (a resume redoes steps bit-exactly, so the values it has are the ones it would get). A run the
+holds (a resume redoes steps bit-exactly, so the values it has are the ones it would get). MLflow gets the rows
+of `metrics.jsonl` from a thread of its own (`mlflow_sender.py`), so a tracking server that fails or is down never
+stops training; what it never took is sent by `rloo-engine mlflow-sync`. A run the
 engine created itself is named in `output_dir/mlflow_run.json`; a resume continues it, and a fresh run
 ends it FAILED if its process died without ending it.
 """
@@ -22,11 +24,20 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
+from rloo_engine.mlflow_sender import (
+    PENDING_FILE,
+    STEP_MARKER,
+    MlflowRowSender,
+    log_jsonl_table,
+    short,
+    write_pending,
+)
+
 RUN_FILE = "mlflow_run.json"
+ARTIFACTS = ("config.yaml", "metrics.jsonl", "completions.jsonl")  # a finished run's files, uploaded at its end
 
 # Metrics that are extremes over the logging window and the processes, not means of per-micro-batch extremes.
 EXTREMES = {"vllm/logprob_diff_max": max, "sampling/importance_sampling_ratio/max": max,
@@ -72,7 +83,6 @@ def reduce_window(names: list[str], everyone: list[list[float]]) -> dict[str, fl
         if f"clip_ratio/{k}" in metrics:
             metrics[f"clip_ratio/{k}_mean"] = metrics.pop(f"clip_ratio/{k}")
     return metrics
-STEP_MARKER = "epoch"  # logged at every logging step: its history says which steps MLflow already has
 
 
 class MetricsLogger:
@@ -89,6 +99,7 @@ class MetricsLogger:
         self.run_id: str | None = None
         self.owns_run = False
         self.system_metrics = None
+        self.sender: MlflowRowSender | None = None
         self.mlflow_has_through = -1  # MLflow already holds steps up to this one (0: the eval_on_start row)
         if enabled and "mlflow" in trackers:
             self._connect_mlflow(run_name, self.params, continue_run)
@@ -125,6 +136,7 @@ class MetricsLogger:
         history = self.client.get_metric_history(self.run_id, STEP_MARKER)
         self.mlflow_has_through = max((m.step for m in history), default=-1)
         self.system_metrics = _start_system_metrics(self.run_id)
+        (self.path.parent / PENDING_FILE).unlink(missing_ok=True)  # what this run sends now covers it
 
     def _previous_run(self):
         """The run an earlier engine run in this output_dir created on this tracking server, if it still exists."""
@@ -157,6 +169,9 @@ class MetricsLogger:
 
         self.others = [open_tracker(name, self.path.parent, self.run_name, self.params, step)
                        for name in self.other_names]
+        if self.client is not None:  # after the cut: it sends the file's rows MLflow lacks, a gap before `step` too
+            self.path.touch()
+            self.sender = MlflowRowSender(self.client, self.run_id, self.path, self.mlflow_has_through)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -165,13 +180,8 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as fh:
             fh.write(json.dumps({"step": step, **clean}) + "\n")
-        if self.client is not None and step > self.mlflow_has_through:
-            from mlflow.entities import Metric
-
-            now = int(time.time() * 1000)
-            batch = [Metric(k, v, now, step) for k, v in clean.items()]
-            for i in range(0, len(batch), 500):
-                self.client.log_batch(self.run_id, metrics=batch[i : i + 500])
+        if self.sender is not None:
+            self.sender.wrote()  # MLflow gets it from the sender's thread: the step loop never waits for it
         for tracker in self.others:
             tracker.log(step, clean)
 
@@ -181,15 +191,8 @@ class MetricsLogger:
 
     def log_table(self, jsonl_path: str | Path, artifact_file: str) -> None:
         """Logs a JSONL file as an MLflow table (viewable and comparable in the UI's artifact view)."""
-        path = Path(jsonl_path)
-        if not (self.enabled and self.client is not None and path.exists()):
-            return
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line]
-        if rows:
-            # Every row's keys, in first-seen order: a reward function's `log_extra` column may start mid-run.
-            names = list(dict.fromkeys(k for r in rows for k in r))
-            columns = {k: [r.get(k) for r in rows] for k in names}
-            self.client.log_table(self.run_id, columns, artifact_file)
+        if self.enabled and self.client is not None:
+            log_jsonl_table(self.client, self.run_id, Path(jsonl_path), artifact_file)
 
     def log_completions(self, step: int, samples: list[dict], num_to_print: int) -> None:
         """Appends this step's samples to `completions.jsonl` and prints the first `num_to_print` (as TRL prints).
@@ -205,24 +208,48 @@ class MetricsLogger:
 
     def finish_run(self) -> None:
         """The end of a finished run: its config, metrics and completions as artifacts, then the run FINISHED."""
-        if not self.enabled:
-            return
-        out = self.path.parent
-        for name in ("config.yaml", "metrics.jsonl", "completions.jsonl"):
-            self.log_artifact(out / name)
-        self.log_table(out / "completions.jsonl", "completions.json")
-        self.finish()
+        if self.enabled:
+            self.finish(artifacts=ARTIFACTS)
 
-    def finish(self, status: str = "FINISHED") -> None:
-        """Ends the run only if the engine created it; a run handed in via MLFLOW_RUN_ID stays open."""
+    def finish(self, status: str = "FINISHED", artifacts: tuple[str, ...] = ()) -> None:
+        """Sends what is left (bounded wait), the artifacts, then ends the run only if the engine created it (a run
+        handed in via MLFLOW_RUN_ID stays open). What MLflow does not take goes to `mlflow_pending.json`."""
         if self.system_metrics is not None:
             self.system_metrics.finish()  # flushes the last samples
             self.system_metrics = None
         for tracker in self.others:
             tracker.finish(status)
         self.others = []
-        if self.client is not None and self.owns_run:
-            self.client.set_terminated(self.run_id, status)
+        if self.client is None:
+            return
+        sent = self.sender.close() if self.sender is not None else True
+        error = None if sent else self.sender.last_error
+        unsent = []
+        for name in artifacts if sent else ():
+            try:
+                self.log_artifact(self.path.parent / name)
+                if name == "completions.jsonl":
+                    self.log_table(self.path.parent / name, "completions.json")
+            except Exception as err:  # the server failed: `mlflow-sync` uploads it later
+                unsent.append(name)
+                error = err
+        unsent += [] if sent else list(artifacts)
+        end = status if self.owns_run else None
+        if sent and not unsent and end:
+            try:
+                self.client.set_terminated(self.run_id, end)
+                end = None
+            except Exception as err:
+                error = err
+        if not sent or unsent or end:
+            through = self.sender.sent_through if self.sender is not None else self.mlflow_has_through
+            write_pending(self.path.parent, self.run_id, self.client.tracking_uri, through, end, unsent, error)
+            missing = [f"the steps after {through}" if not sent else "", ", ".join(unsent), f"the {end} status" if end
+                       else ""]
+            print(f"rloo-engine: warning: MLflow at {self.client.tracking_uri} did not take "
+                  f"{'; '.join(m for m in missing if m)} ({short(error) if error else 'no answer'}); metrics.jsonl "
+                  f"holds every step: `rloo-engine mlflow-sync {self.path.parent}` sends them when it answers again",
+                  file=sys.stderr)
 
 
 def truncate_jsonl(path: Path, step: int) -> None:

@@ -54,6 +54,7 @@ def train_rloo(
     cfg: PipelineConfig, sft: CheckpointInfo, reward: RewardInfo, run_dir: str, parent: RunRef
 ) -> TrainStageResult:
     """Trains the policy; returns the final checkpoint and summary metrics."""
+    from rloo_engine.mlflow_sender import PENDING_FILE, sync_output_dir
     from rloo_engine.run.checkpoint import checkpoint_dirs  # imports torch; kept out of flow start-up
 
     logger = get_run_logger()
@@ -93,6 +94,8 @@ def train_rloo(
             nodes.train(config_path, server_url, log_params=attempt == 1)
         else:
             _launch_here(cfg, config_path, train_run, sft.local_path, server_url, out)
+        if (out / PENDING_FILE).is_file():  # the tracking server failed while the engine trained: send the rest
+            sync_output_dir(out, say=logger.warning)
         # A LoRA run's final/ is its adapter; evaluation and the registry take the merged copy beside it.
         final = out / ("final-merged" if cfg.train.use_peft else "final")
         metrics_rows = read_jsonl(out / "metrics.jsonl")

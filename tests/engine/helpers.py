@@ -120,3 +120,11 @@ def train_until_crash(tmp_path: Path, model: Path, monkeypatch, step: int, **ove
     with pytest.raises(SystemExit):
         RLOOTrainer(tiny_config(tmp_path, model, **overrides)).train()
     monkeypatch.delenv(CRASH_ENV)
+
+
+def slow_target_reward(completion_ids, **kwargs):
+    """target_token_fraction, taking a second a call: steps long enough for a test to act between them."""
+    import time
+
+    time.sleep(1.0)
+    return target_token_fraction(completion_ids)
