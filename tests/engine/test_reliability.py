@@ -334,6 +334,7 @@ def unloadable_policy(tmp_path) -> Path:
     path = tmp_path / "broken_policy"
     path.mkdir()
     (path / "config.json").write_text("{not json")
+    (path / "tokenizer_config.json").write_text("{not json")  # present, so the tokenizer-files check passes
     return path
 
 
