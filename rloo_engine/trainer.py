@@ -369,7 +369,8 @@ class RLOOTrainer(TrainerBookkeeping):
                 self.start_decided = True
             self.logger = MetricsLogger(self.cfg.output_dir, self.acc.is_main_process, self.cfg.run_name,
                                         {f"train.{k}": v for k, v in self.cfg.model_dump().items()},
-                                        continue_run=self.resume_path is not None, trackers=self.cfg.trackers())
+                                        continue_run=bool(resume or self.cfg.resume_from_checkpoint),
+                                        trackers=self.cfg.trackers())
             return self._train()
         except BaseException as err:
             if self.acc.is_main_process and self.logger is not None:

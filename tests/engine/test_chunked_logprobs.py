@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -148,6 +150,7 @@ def test_listed_transforms_on_the_text_config_of_a_composite_config_are_seen(mod
 
 
 def test_training_falls_back_to_the_full_logits_when_the_probe_disagrees(tmp_path, qwen2_model, capsys):
+    from rloo_engine.logprobs import probed_fast_paths
     from rloo_engine.trainer import RLOOTrainer
     from tests.engine.helpers import tiny_config
 
@@ -156,7 +159,9 @@ def test_training_falls_back_to_the_full_logits_when_the_probe_disagrees(tmp_pat
     head = trainer.acc.unwrap_model(trainer.policy).lm_head
     handle = head.register_forward_hook(lambda module, args, out: out * 2.5)
     try:
-        assert not trainer._chunked_head_reproduces()
+        chunked, _ = probed_fast_paths(trainer.policy, len(trainer.tokenizer), trainer.acc.autocast, False,
+                                       chunked=True, share=False, say=lambda line: print(line, file=sys.stderr))
+        assert not chunked
     finally:
         handle.remove()
     assert "chunked_logprobs: on a probe batch it is up to" in capsys.readouterr().err

@@ -201,14 +201,18 @@ def test_a_full_disk_ends_in_one_error_line_and_exit_code_5(tmp_path, qwen2_mode
     assert (tmp_path / "out" / "checkpoint-1").is_dir()  # what was done is kept
 
 
-def test_latest_with_no_usable_checkpoint_says_it_starts_from_step_0(tmp_path, capsys):
+def test_latest_names_each_unusable_checkpoint_and_says_when_there_is_none_yet(tmp_path, capsys):
     from rloo_engine.run.checkpoint import resolve_resume
 
+    assert resolve_resume("latest", tmp_path) is None
+    assert f"rloo-engine: no checkpoint in {tmp_path} yet; starting from step 0" in capsys.readouterr().err
     (tmp_path / "checkpoint-2").mkdir()  # no trainer_state.json: unusable
     assert resolve_resume("latest", tmp_path) is None
     err = capsys.readouterr().err
     assert f"skipping {tmp_path / 'checkpoint-2'}" in err
-    assert f"rloo-engine: no usable checkpoint in {tmp_path}; starting from step 0" in err
+    # Not "starting from step 0": with only unusable checkpoints the start check refuses, saying what to do
+    # (tests/engine/test_bad_inputs_round3.py).
+    assert "starting from step 0" not in err
 
 
 def _train_in_each_rank(tmp_path: Path, model: Path, dirs: list[Path],
