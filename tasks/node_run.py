@@ -40,7 +40,7 @@ from rloo_engine.pipeline.multinode import (
     node_root,
     wait_for_server_node,
 )
-from rloo_engine.pipeline.train_launch import launch_command, raise_for_exit
+from rloo_engine.pipeline.train_launch import RENDEZVOUS_MARGIN_S, launch_command, raise_for_exit, rendezvous_timeout_s
 from rloo_engine.pipeline.vllm_server import VLLMServerFailed, running_vllm_server, serve_command
 from rloo_engine.services import free_port, group_alive
 from tasks.secrets import secret_env
@@ -93,9 +93,14 @@ def train_on_this_node(spec: NodeSpec, report: NodeReport) -> dict:
     cmd = launch_command(
         launch, node_config, machine_rank=spec.machine_rank, main_process_ip=rank0_ip, main_process_port=port
     )
-    env = node_environment(spec, dict(os.environ), secret_env(launch.secret_env, "launch.secret_env"))
+    env = node_environment(spec, dict(os.environ), secret_env(launch.secret_env, "launch.secret_env"),
+                           address=report.address)
     log_path = run_dir / "nodes" / f"{spec.name}.log"
     logger.info("launching %s: %s", spec.name, " ".join(cmd))
+    logger.info("%s: collectives on interface %s (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME); rank 0 waits up to %d s "
+                "for the other machines (launch.nodes.start_timeout_s %.0f s + %d s)", spec.name,
+                env.get("NCCL_SOCKET_IFNAME", "chosen by NCCL/gloo"), rendezvous_timeout_s(launch),
+                launch.nodes.start_timeout_s, RENDEZVOUS_MARGIN_S)
     try:
         with gpu_slot(launch.gpu_concurrency_limit):  # `{hostname}` is this node's
             outcome = run_in_process_group(

@@ -221,7 +221,9 @@ class NodesSection(StrictModel):
     start_timeout_s: float = F(
         600.0,
         "Seconds every node run may take to start and report its address (a worker must pick it up: a busy pool or "
-        "a pending pod waits here). Past it the train task fails, naming the nodes that did not start.",
+        "a pending pod waits here). Past it the train task fails, naming the nodes that did not start. Rank 0's "
+        "rendezvous waits this long plus 300 s for the others (`--rdzv_conf timeout=`), so a node that starts late "
+        "within it still joins.",
         gt=0.0,
     )
     poll_interval_s: float = F(

@@ -175,11 +175,30 @@ def _first_line(text: str) -> str:
     return line if len(line) <= 300 else line[:300] + " ..."
 
 
-def node_environment(spec: NodeSpec, base: dict[str, str], secrets: dict[str, str]) -> dict[str, str]:
-    """The node's training environment: the worker's, minus withheld names, plus launch.env, secrets and MLflow."""
+def interface_of(address: str) -> str | None:
+    """The network interface holding `address` on this machine, or None."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            return name
+    return None
+
+
+# The variables NCCL and gloo pick their network interface from; unset, each may pick another than the nodes share.
+SOCKET_IFNAME_VARIABLES = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+
+
+def node_environment(spec: NodeSpec, base: dict[str, str], secrets: dict[str, str],
+                     address: str | None = None) -> dict[str, str]:
+    """The node's training environment: the worker's, minus withheld names, plus launch.env, secrets and MLflow;
+    and the interface of `address` (the one the node reported) for NCCL and gloo, unless either is set already."""
     from rloo_engine.pipeline.environment import child_env
 
     extra = {**spec.launch.get("env", {}), **secrets, "PYTHONUNBUFFERED": "1"}
+    interface = interface_of(address) if address else None
+    if interface and not any(name in base or name in extra for name in SOCKET_IFNAME_VARIABLES):
+        extra.update(dict.fromkeys(SOCKET_IFNAME_VARIABLES, interface))
     extra["TQDM_MININTERVAL"] = base.get("TQDM_MININTERVAL", "5")
     if spec.train_run:
         extra.update(MLFLOW_TRACKING_URI=spec.train_run.tracking_uri, MLFLOW_RUN_ID=spec.train_run.run_id)

@@ -33,6 +33,15 @@ class EngineCrashed(RuntimeError):
     """The engine process died (injected crash, OOM kill, NCCL error, a bug); a retry resumes from a checkpoint."""
 
 
+# A late node's own start after it is picked up: imports, the shared-directory check, its report.
+RENDEZVOUS_MARGIN_S = 300
+
+
+def rendezvous_timeout_s(launch: LaunchSection) -> int:
+    """How long rank 0's rendezvous waits for the other machines: their start timeout and a margin."""
+    return int(launch.nodes.start_timeout_s + RENDEZVOUS_MARGIN_S)
+
+
 def launch_command(
     launch: LaunchSection,
     config_path: Path,
@@ -57,6 +66,8 @@ def launch_command(
     if launch.num_machines > 1:
         cmd += ["--num_machines", str(launch.num_machines), "--machine_rank", str(machine_rank)]
         cmd += ["--main_process_ip", main_process_ip or "127.0.0.1"]
+        # Ranks 1..N-1 start after rank 0 has reported, each within start_timeout_s: rank 0's store waits as long.
+        cmd += ["--rdzv_conf", f"timeout={rendezvous_timeout_s(launch)}"]
         if distributed_type == "DEEPSPEED":
             cmd += ["--deepspeed_multinode_launcher", "standard"]  # torchrun per node, not pdsh from rank 0
     port = main_process_port or launch.main_process_port

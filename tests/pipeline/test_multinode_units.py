@@ -127,3 +127,27 @@ def test_one_machine_takes_a_free_port_unless_the_config_or_the_profile_names_on
     profile = tmp_path / "own_port.yaml"
     profile.write_text(yaml.safe_dump({"distributed_type": "MULTI_CPU", "num_processes": 2, "main_process_port": 29600}))
     assert port_of(LaunchSection(profile=str(profile), num_processes=2)) is None  # the profile's port is used
+
+
+def test_rank_0_waits_for_late_nodes_as_long_as_they_may_take_to_start(tmp_path):
+    """Ranks 1..N-1 start only after rank 0 reported, each within `launch.nodes.start_timeout_s`: rank 0's
+    rendezvous store must wait that long (torchrun's static default is 600 s whatever the pipeline allows)."""
+    from rloo_engine.pipeline.train_launch import RENDEZVOUS_MARGIN_S
+
+    launch = LaunchSection(profile="cpu", num_machines=2, num_processes=4, nodes={"start_timeout_s": 1800})
+    cmd = launch_command(launch, tmp_path / "c.yaml", machine_rank=0, main_process_ip="10.0.0.5")
+    assert cmd[cmd.index("--rdzv_conf") + 1] == f"timeout={1800 + RENDEZVOUS_MARGIN_S}"
+    assert "--rdzv_conf" not in launch_command(LaunchSection(profile="cpu", num_processes=2), tmp_path / "c.yaml")
+
+
+def test_the_collectives_use_the_interface_of_the_address_the_node_reported():
+    from rloo_engine.pipeline.multinode import NodeSpec, interface_of, node_environment
+
+    spec = NodeSpec(num_machines=2, output_root="/o", run_dir="/o/r", token="t", launch={})
+    loopback = interface_of("127.0.0.1")
+    assert loopback  # "lo" on Linux
+    env = node_environment(spec, {"PATH": "/bin"}, {}, address="127.0.0.1")
+    assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == loopback
+    chosen = node_environment(spec, {"PATH": "/bin", "NCCL_SOCKET_IFNAME": "ib0"}, {}, address="127.0.0.1")
+    assert chosen["NCCL_SOCKET_IFNAME"] == "ib0" and "GLOO_SOCKET_IFNAME" not in chosen  # the user's choice stands
+    assert "NCCL_SOCKET_IFNAME" not in node_environment(spec, {"PATH": "/bin"}, {}, address="203.0.113.9")

@@ -280,7 +280,8 @@ def fake_cluster(tmp_path) -> dict:
         echo "4: ib0    inet 10.10.0.${SLURMD_NODENAME#gpu-}/16 brd 10.10.255.255 scope global ib0"
     """)
     stub(checkout / ".venv" / "bin" / "prefect",
-         f'echo "$PWD|$RLOO_NODE_ADDRESS|$MLFLOW_TRACKING_URI|$*" > {seen}/"$SLURMD_NODENAME"\n')
+         f'echo "$PWD|$RLOO_NODE_ADDRESS|$MLFLOW_TRACKING_URI|${{NCCL_SOCKET_IFNAME:-}}|${{GLOO_SOCKET_IFNAME:-}}|$*" '
+         f'> {seen}/"$SLURMD_NODENAME"\n')
     env = {
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         "SLURM_JOB_NUM_NODES": "2",
@@ -305,9 +306,10 @@ def test_sbatch_script_starts_a_named_worker_with_its_own_address_on_each_node(f
     srun_args = (seen / "srun.args").read_text()
     assert "--nodes=2 --ntasks-per-node=1 --cpus-per-task=96" in srun_args
     for node, address in zip(["gpu-1", "gpu-2"], addresses):
-        cwd, node_address_seen, mlflow, args = (seen / node).read_text().strip().split("|")
+        cwd, node_address_seen, mlflow, nccl_if, gloo_if, args = (seen / node).read_text().strip().split("|")
         assert cwd == str(fake_cluster["checkout"])
         assert node_address_seen == address
+        assert nccl_if == gloo_if == (iface or "")  # the collectives train over the interface the node reports
         assert mlflow == env["MLFLOW_TRACKING_URI"]
         assert args == f"worker start --pool train-nodes --type process --limit 1 --name train-node-{node}"
 
