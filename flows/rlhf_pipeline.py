@@ -22,7 +22,7 @@ from tasks.evaluate import check_evaluation_inputs, evaluate_win_rate
 from tasks.ingest import ingest_sft_checkpoint
 from tasks.registry import register_policy
 from tasks.reward_check import load_reward_model
-from tasks.run_setup import open_pipeline_run
+from tasks.run_setup import check_crash_reruns, open_pipeline_run
 from tasks.summary import publish_failure_summary, publish_summary
 from tasks.train import train_rloo
 
@@ -39,6 +39,7 @@ def rlhf_pipeline(cfg: PipelineConfig, overrides: dict[str, Any] | None = None) 
         overrides: dotted-key changes applied to `cfg`, e.g. {"train.learning_rate": 3e-6}.
     """
     cfg = cfg.with_overrides(overrides)
+    check_crash_reruns(cfg)  # a crashed run rescheduled by the automation resumes; a crash loop stops
     train = train_rloo.with_options(retries=cfg.launch.retries, retry_delay_seconds=cfg.launch.retry_delay_seconds)
     run = open_pipeline_run(cfg, "rlhf-pipeline")
     sft = reward = policy = evaluation = promotion = None

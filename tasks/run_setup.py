@@ -58,3 +58,17 @@ def open_pipeline_run(cfg: PipelineConfig, flow_name: str) -> PipelineRun:
     return PipelineRun(
         flow_run_id=run_id, flow_run_name=run_name, deployment=deployment_name, dir=str(run_dir), parent=parent
     )
+
+
+def check_crash_reruns(cfg: PipelineConfig) -> None:
+    """A flow run that runs again (rescheduled after a crash, or `prefect flow-run retry`) says so; past
+    `launch.crash_reruns` re-runs it stops, so a run that crashes every time does not loop."""
+    reruns = int(flow_run.run_count or 1) - 1
+    if reruns == 0:
+        return
+    if reruns > cfg.launch.crash_reruns:
+        raise RuntimeError(f"launch.crash_reruns: this flow run has run {reruns + 1} times (crashed and rescheduled); "
+                           f"more than {cfg.launch.crash_reruns} re-runs are refused. Find why it crashes (its worker's "
+                           "log, the node's memory), then `prefect flow-run retry` it or start a new one")
+    print(f"re-run {reruns} of this flow run (it crashed): continuing in its own output directory; finished stages "
+          "are not redone, training resumes from its newest checkpoint")

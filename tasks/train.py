@@ -19,6 +19,7 @@ import socket
 from contextlib import nullcontext
 from pathlib import Path
 
+import yaml
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -90,7 +91,10 @@ def train_rloo(
             }
             tracking.log_params(train_run, {**{f"launch.{k}": v for k, v in launch.items()}, **sections})
             tracking.log_params(train_run, {"num_machines": cfg.launch.num_machines, "world_size": _world_size(cfg)})
-        if nodes is not None:
+        if training_finished(out, cfg.train.use_peft):
+            # The flow run crashed after training ended (a re-run, or a retry after a later stage failed).
+            logger.info("training finished before this attempt (%s is complete); not run again", out / "final")
+        elif nodes is not None:
             nodes.train(config_path, server_url, log_params=attempt == 1)
         else:
             _launch_here(cfg, config_path, train_run, sft.local_path, server_url, out)
@@ -122,6 +126,17 @@ def train_rloo(
             attempts=attempt,
             adapter_dir=str(out / "final") if cfg.train.use_peft else None,
         )
+
+
+def training_finished(out: Path, use_peft: bool) -> bool:
+    """Whether the engine finished in `out`: `final/` (and a LoRA run's `final-merged/`) is renamed into place
+    only when complete, and `metrics.jsonl` has reached the run's last step."""
+    finals = [out / "final"] + ([out / "final-merged"] if use_peft else [])
+    if not all((d / "config.json").is_file() or (d / "adapter_config.json").is_file() for d in finals):
+        return False
+    rows = read_jsonl(out / "metrics.jsonl")
+    config = yaml.safe_load((out / "config.yaml").read_text()) if (out / "config.yaml").is_file() else {}
+    return bool(rows) and config.get("max_steps", -1) in (-1, max(r["step"] for r in rows))
 
 
 def _launch_here(

@@ -274,6 +274,13 @@ class LaunchSection(StrictModel):
         1, "Prefect retries of the training task. A retry resumes from the latest checkpoint of the same run.", ge=0
     )
     retry_delay_seconds: float = F(10.0, "Wait before a retry (lets a crashed node release its GPUs).", ge=0.0)
+    crash_reruns: int = F(
+        2,
+        "How often a crashed flow run (its process or worker killed) may run again, rescheduled by the automation "
+        "deployments/automations/rerun-crashed-flow-runs.yaml: it resumes in its own output directory. One more "
+        "crash after these ends it Failed, naming this option.",
+        ge=0,
+    )
     timeout_seconds: float | None = F(
         None,
         "Kill training (the whole process group) after this many seconds and fail the task. None = no limit.",

@@ -92,3 +92,18 @@ def test_cancelling_during_training_kills_the_process_group_and_marks_the_run_ki
     assert train_status() == "KILLED"
     assert deployed.mlflow_runs(flow_run_id)["pipeline"].info.status == "KILLED"
     assert deployed.wait_for_state(flow_run_id, {"Cancelled", "Crashed", "Failed"}).state.name == "Cancelled"
+
+
+def test_training_counts_as_finished_only_with_final_complete_and_the_last_step_logged(tmp_path):
+    from tasks.train import training_finished
+
+    out = tmp_path / "train"
+    (out / "final").mkdir(parents=True)
+    (out / "config.yaml").write_text("max_steps: 4\n")
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))
+    assert not training_finished(out, use_peft=False)  # no model in final/ yet
+    (out / "final" / "config.json").write_text("{}")
+    assert not training_finished(out, use_peft=False)  # step 4 not logged
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4)))
+    assert training_finished(out, use_peft=False)
+    assert not training_finished(out, use_peft=True)  # a LoRA run's final-merged/ is missing
