@@ -55,9 +55,7 @@ def test_a_run_whose_worker_died_is_marked_crashed_rerun_and_resumes_to_the_end(
             deployed.services.env, deployed.services.root / "logs")
         deployed.services.services.append(deployed.worker)
 
-        crashed = deployed.wait_for_state(flow_run_id, {"Crashed", "Scheduled", "Pending", "Running", "Completed"},
-                                          timeout=30)
-        assert crashed.state.name == "Running" or crashed.run_count >= 2  # silent, not yet noticed, or re-run
+        # Nobody reports the crash: the run stays Running until its heartbeats have been missing for 90 s.
         run = deployed.wait_for_state(flow_run_id, {"Completed", "Failed"}, timeout=600)
         assert run.state.name == "Completed", deployed.failure_report(flow_run_id, None)
         assert run.run_count == 2  # the same flow run, run once more
