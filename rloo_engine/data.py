@@ -75,7 +75,11 @@ def _guarded(name: str, load: Any) -> Any:
     except DataError:
         raise
     except Exception as err:  # datasets raises many types (FileNotFoundError, ArrowInvalid, DatasetNotFoundError ...)
-        raise DataError(f"dataset_name: {name} could not be loaded: {type(err).__name__}: {err}") from err
+        cause = err
+        while cause.__cause__ is not None or cause.__context__ is not None:  # the parse error under datasets' own
+            cause = cause.__cause__ or cause.__context__
+        why = f"{type(err).__name__}: {err}" + (f" ({type(cause).__name__}: {cause})" if cause is not err else "")
+        raise DataError(f"dataset_name: {name} could not be loaded: {why}") from err
 
 
 def _pick_split(name: str, loaded: Any, split: str) -> datasets.Dataset:

@@ -117,3 +117,15 @@ def test_a_full_disk_while_writing_final_exits_5_keeps_the_checkpoint_and_leaves
     assert not list(out.glob(".tmp-*")) and not (out / "final").exists()
     assert (out / "checkpoint-2" / ckpt.STATE_FILE).is_file()
     assert Path(out / "checkpoint-2").is_dir()
+
+
+def test_a_malformed_data_file_names_the_parse_error_under_datasets_own(tmp_path):
+    from rloo_engine.data import DataError, load_prompt_dataset
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{bad json\n')
+    with pytest.raises(DataError) as err:
+        load_prompt_dataset(str(bad))
+    message = str(err.value)
+    assert message.startswith(f"dataset_name: {bad} could not be loaded: DatasetGenerationError")
+    assert message.endswith(")") and " (" in message  # the parse error itself, not only "an error occurred"
