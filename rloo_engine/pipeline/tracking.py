@@ -137,11 +137,18 @@ def child_run(parent: RunRef, stage: str) -> tuple[RunRef, int]:
     return RunRef(tracking_uri=parent.tracking_uri, experiment_id=parent.experiment_id, run_id=run.info.run_id), attempt
 
 
+WORKER_DIED = ("its Prefect worker died, and the flow-run process with it; with the automations of "
+               "deployments/automations/ the same flow run runs again and reopens this run")
+
+
 @contextmanager
 def run_status(ref: RunRef) -> Iterator[None]:
-    """Ends `ref` FINISHED on success, FAILED on an error, KILLED on cancellation (SIGTERM, Ctrl-C)."""
+    """Ends `ref` FINISHED on success, FAILED on an error, KILLED on cancellation (SIGTERM, Ctrl-C). A SIGTERM
+    that comes because the worker that started this process died is no cancellation: FAILED, tagged with why
+    (the re-run automation, deployments/automations/, runs the flow run again and reopens the run)."""
     started = time.monotonic()
     status = "FAILED"
+    parent = os.getppid()
     try:
         yield
         status = "FINISHED"
@@ -150,6 +157,9 @@ def run_status(ref: RunRef) -> Iterator[None]:
         raise
     except BaseException:
         status = "KILLED"
+        if os.getppid() != parent:  # re-parented: the worker is gone
+            status = "FAILED"
+            client(ref.tracking_uri).set_tag(ref.run_id, "rloo.end_reason", WORKER_DIED)
         raise
     finally:
         c = client(ref.tracking_uri)

@@ -31,51 +31,81 @@ def kill_worker_and_everything_it_started(worker) -> None:
     worker.proc.wait()
 
 
-def test_a_run_whose_worker_died_is_marked_crashed_rerun_and_resumes_to_the_end(deployed):
-    deployed.services.cli("automation", "create", "--from-file", str(AUTOMATIONS))
-    try:
-        overrides = {"train.max_steps": 120, "train.save_steps": 10, "tracking.registered_model": "tiny-policy-rerun"}
-        flow_run_id, _ = deployed.run("rlhf-pipeline/on-demand", "--param", f"overrides={json.dumps(overrides)}",
-                                      watch=False)
-        deadline = time.monotonic() + 300
-        run_dir = None
-        while not (run_dir and list((run_dir / "train").glob("checkpoint-*"))):
-            assert time.monotonic() < deadline, deployed.failure_report(flow_run_id, None)
-            runs = deployed.mlflow_runs(flow_run_id)
-            if "pipeline" in runs:
-                run_dir = Path(runs["pipeline"].data.tags["rloo.output_dir"])
-            time.sleep(0.5)
-        killed_at = time.monotonic()
-        kill_worker_and_everything_it_started(deployed.worker)
-        assert not training_processes(flow_run_id), "training outlived its worker"
-        # A supervisor (systemd's Restart=, a Deployment's replicas) starts a worker again.
-        deployed.worker = start_service(
-            "worker-restarted",
-            [str(BIN / "prefect"), "worker", "start", "--pool", "gpu-pool", "--type", "process", "--limit", "1"],
-            deployed.services.env, deployed.services.root / "logs")
-        deployed.services.services.append(deployed.worker)
-
-        # Nobody reports the crash: the run stays Running until its heartbeats have been missing for 90 s.
-        run = deployed.wait_for_state(flow_run_id, {"Completed", "Failed"}, timeout=600)
-        assert run.state.name == "Completed", deployed.failure_report(flow_run_id, None)
-        assert run.run_count == 2  # the same flow run, run once more
-        with deployed.services.prefect_settings(), deployed.client() as c:
-            history = [s.name for s in c.read_flow_run_states(flow_run_id)]
-        assert "Crashed" in history and "Rescheduled" in history, history
-        print(f"killed -> completed in {time.monotonic() - killed_at:.0f} s; states {history}")
-
-        client = deployed.services.mlflow()
+def start_until_checkpoint(deployed, registered_model: str, steps: int) -> tuple[str, Path]:
+    """A pipeline run, returned once training has written its first checkpoint."""
+    overrides = {"train.max_steps": steps, "train.save_steps": 10, "tracking.registered_model": registered_model}
+    flow_run_id, _ = deployed.run("rlhf-pipeline/on-demand", "--param", f"overrides={json.dumps(overrides)}",
+                                  watch=False)
+    deadline = time.monotonic() + 300
+    run_dir = None
+    while not (run_dir and list((run_dir / "train").glob("checkpoint-*"))):
+        assert time.monotonic() < deadline, deployed.failure_report(flow_run_id, None)
         runs = deployed.mlflow_runs(flow_run_id)
-        assert {stage: client.get_run(r.info.run_id).info.status for stage, r in runs.items()} == dict.fromkeys(
-            runs, "FINISHED")
-        train = client.get_run(runs["train"].info.run_id)
-        assert train.data.tags["rloo.resumed_from"].startswith("checkpoint-")
-        logged = [json.loads(line)["step"] for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
-        assert logged == sorted(set(logged)) and logged[-1] == 120  # every logging step once, to the end
-        assert [m.step for m in client.get_metric_history(train.info.run_id, "reward")] == logged
-        assert len(client.search_model_versions("name='tiny-policy-rerun'")) == 1  # registered once
-        logs = deployed.logs(flow_run_id)
-        assert "re-run 1 of this flow run (it crashed)" in logs
-    finally:
-        for name in ("crash-silent-rloo-flow-runs", "rerun-crashed-rloo-flow-runs"):
-            deployed.services.cli("automation", "delete", name, check=False)
+        if "pipeline" in runs:
+            run_dir = Path(runs["pipeline"].data.tags["rloo.output_dir"])
+        time.sleep(0.5)
+    return flow_run_id, run_dir
+
+
+def restart_worker(deployed, name: str) -> None:
+    """What a supervisor (systemd's Restart=, a Deployment's replicas) does for a worker that died."""
+    deployed.worker = start_service(
+        name, [str(BIN / "prefect"), "worker", "start", "--pool", "gpu-pool", "--type", "process", "--limit", "1"],
+        deployed.services.env, deployed.services.root / "logs")
+    deployed.services.services.append(deployed.worker)
+
+
+def assert_rerun_to_the_end(deployed, flow_run_id: str, run_dir: Path, registered_model: str, steps: int) -> None:
+    run = deployed.wait_for_state(flow_run_id, {"Completed", "Failed"}, timeout=600)
+    assert run.state.name == "Completed", deployed.failure_report(flow_run_id, None)
+    assert run.run_count == 2  # the same flow run, run once more
+    with deployed.services.prefect_settings(), deployed.client() as c:
+        history = [s.name for s in c.read_flow_run_states(flow_run_id)]
+    assert "Crashed" in history and "Rescheduled" in history, history
+    client = deployed.services.mlflow()
+    runs = deployed.mlflow_runs(flow_run_id)
+    assert {stage: client.get_run(r.info.run_id).info.status for stage, r in runs.items()} == dict.fromkeys(
+        runs, "FINISHED")
+    train = client.get_run(runs["train"].info.run_id)
+    assert train.data.tags["rloo.resumed_from"].startswith("checkpoint-")
+    logged = [json.loads(line)["step"] for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert logged == sorted(set(logged)) and logged[-1] == steps  # every logging step once, to the end
+    assert [m.step for m in client.get_metric_history(train.info.run_id, "reward")] == logged
+    assert len(client.search_model_versions(f"name='{registered_model}'")) == 1  # registered once
+    assert "re-run 1 of this flow run (it crashed)" in deployed.logs(flow_run_id)
+
+
+@pytest.fixture
+def automations(deployed):
+    deployed.services.cli("automation", "create", "--from-file", str(AUTOMATIONS))
+    yield
+    for name in ("crash-silent-rloo-flow-runs", "rerun-crashed-rloo-flow-runs"):
+        deployed.services.cli("automation", "delete", name, check=False)
+
+
+def test_a_killed_worker_takes_its_flow_run_with_it_which_is_rerun_and_never_left_killed(deployed, automations):
+    """The worker alone SIGKILLed: Prefect's flow-run process goes with it and reports Crashed itself."""
+    flow_run_id, run_dir = start_until_checkpoint(deployed, "tiny-policy-worker-kill", steps=60)
+    deployed.worker.proc.send_signal(signal.SIGKILL)
+    deployed.worker.proc.wait()
+    deployed.wait_for_state(flow_run_id, {"Crashed", "Rescheduled", "Scheduled"}, timeout=60)
+    assert not training_processes(flow_run_id), "training outlived its worker"
+    client = deployed.services.mlflow()
+    runs = deployed.mlflow_runs(flow_run_id)
+    for stage in ("pipeline", "train"):  # a dead worker is no cancellation: FAILED with why, not KILLED
+        ended = client.get_run(runs[stage].info.run_id)
+        assert ended.info.status == "FAILED" and ended.data.tags["rloo.end_reason"].startswith("its Prefect worker died")
+    restart_worker(deployed, "worker-after-kill")
+    assert_rerun_to_the_end(deployed, flow_run_id, run_dir, "tiny-policy-worker-kill", steps=60)
+
+
+def test_a_worker_lost_with_everything_it_started_is_found_silent_rerun_and_resumed(deployed, automations):
+    """The worker's whole machine or container gone: nobody reports the crash; the heartbeats stop, the first
+    automation marks the run Crashed after 90 s, the second runs it again."""
+    flow_run_id, run_dir = start_until_checkpoint(deployed, "tiny-policy-rerun", steps=120)
+    killed_at = time.monotonic()
+    kill_worker_and_everything_it_started(deployed.worker)
+    assert not training_processes(flow_run_id), "training outlived its worker"
+    restart_worker(deployed, "worker-restarted")
+    assert_rerun_to_the_end(deployed, flow_run_id, run_dir, "tiny-policy-rerun", steps=120)
+    print(f"killed -> completed in {time.monotonic() - killed_at:.0f} s")
