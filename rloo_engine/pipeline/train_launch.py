@@ -66,8 +66,6 @@ def launch_command(
     if launch.num_machines > 1:
         cmd += ["--num_machines", str(launch.num_machines), "--machine_rank", str(machine_rank)]
         cmd += ["--main_process_ip", main_process_ip or "127.0.0.1"]
-        # Ranks 1..N-1 start after rank 0 has reported, each within start_timeout_s: rank 0's store waits as long.
-        cmd += ["--rdzv_conf", f"timeout={rendezvous_timeout_s(launch)}"]
         if distributed_type == "DEEPSPEED":
             cmd += ["--deepspeed_multinode_launcher", "standard"]  # torchrun per node, not pdsh from rank 0
     port = main_process_port or launch.main_process_port
@@ -77,6 +75,9 @@ def launch_command(
         port = 0
     if port is not None:
         cmd += ["--main_process_port", str(port)]
+    if launch.num_machines > 1:
+        # Ranks 1..N-1 start after rank 0 has reported, each within start_timeout_s: rank 0's store waits as long.
+        cmd += ["--rdzv_conf", f"timeout={rendezvous_timeout_s(launch)}"]
     return cmd + ["-m", "rloo_engine", "train", "--config", str(config_path)]
 
 
