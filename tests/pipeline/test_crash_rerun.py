@@ -81,6 +81,8 @@ def automations(deployed):
     yield
     for name in ("crash-silent-rloo-flow-runs", "rerun-crashed-rloo-flow-runs"):
         deployed.services.cli("automation", "delete", name, check=False)
+    if deployed.worker.proc.poll() is not None:  # the test failed between the kill and the restart
+        restart_worker(deployed, "worker-restored")  # the session's later pipeline tests need one
 
 
 def test_a_killed_worker_takes_its_flow_run_with_it_which_is_rerun_and_never_left_killed(deployed, automations):
