@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import model_validator
+from pydantic import field_validator, model_validator
 
 from rloo_engine.config_base import F, StrictModel, load_yaml, validated
 
@@ -172,6 +172,7 @@ class JudgeConfig(StrictModel):
         "`math_reference`: correctness against a reference answer, see `reference_answer_column`) or the path of a "
         "template YAML file. Used by the openai and hf backends.",
     )
+
     temperature: float = F(
         0.0, "openai: sampling temperature of the judge. 0 makes verdicts (and the cache) stable.", ge=0.0
     )
@@ -253,6 +254,14 @@ class JudgeConfig(StrictModel):
         "float32", "hf / reward_model: dtype the model is loaded in."
     )
     device: str = F("auto", "hf / reward_model: torch device (`auto` = CUDA when available, else CPU).")
+
+    @field_validator("template")
+    @classmethod
+    def _template_exists(cls, value: str) -> str:
+        from rloo_engine.evaluation.templates import check_template_name
+
+        check_template_name(value)
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> JudgeConfig:

@@ -212,15 +212,19 @@ def format_summary(report: EvalReport) -> str:
     def pct(x: float | None) -> str:
         return "  n/a" if x is None else f"{100 * x:5.1f}"
 
+    def rate(x: float | None) -> str:
+        """A percentage with its sign, or `n/a` alone (never `n/a%`)."""
+        return "   n/a" if x is None else f"{pct(x)}%"
+
     lines = []
     for r in report.pairings.values():
-        lc = "  n/e" if r.lc_not_estimable else pct(r.lc_win_rate)  # n/e: not estimable, see the warnings
+        lc = "   n/e" if r.lc_not_estimable else rate(r.lc_win_rate)  # n/e: not estimable, see the warnings
         lines.append(
-            f"{r.name:<20} win {pct(r.win_rate)}% [{pct(r.ci_low)}, {pct(r.ci_high)}]  LC {lc}%  "
-            f"bias-corrected {pct(r.bias_corrected_win_rate)}% [{pct(r.bias_corrected_ci_low)}, "
+            f"{r.name:<20} win {rate(r.win_rate)} [{pct(r.ci_low)}, {pct(r.ci_high)}]  LC {lc}  "
+            f"bias-corrected {rate(r.bias_corrected_win_rate)} [{pct(r.bias_corrected_ci_low)}, "
             f"{pct(r.bias_corrected_ci_high)}]  W/L/T {r.n_win}/{r.n_loss}/{r.n_tie}  n={r.n} valid={r.n_valid} "
-            f"parse_err={r.n_parse_error} api_err={r.n_api_error}  consistency {pct(r.consistency_rate)}%  "
-            f"first-slot {pct(r.first_slot_rate)}%"
+            f"parse_err={r.n_parse_error} api_err={r.n_api_error}  consistency {rate(r.consistency_rate)}  "
+            f"first-slot {rate(r.first_slot_rate)}"
         )
     d = report.paired_difference
     if d is not None and d.difference is not None:

@@ -86,6 +86,21 @@ class JudgeTemplate:
         return {"name": self.name, "version": self.version, "hash": self.hash, "source": self.source}
 
 
+def check_template_name(name_or_path: str) -> None:
+    """Raises ConfigError, at config validation, for a value that is no built-in name and cannot be a template file:
+    no path separator, no .yaml suffix, no such file (a typo of a built-in name, or a file name from another
+    project's docs, such as `tldr_v1`), instead of at the evaluation's first judgment."""
+    path = Path(name_or_path)
+    if name_or_path in BUILTIN or path.suffix in (".yaml", ".yml") or "/" in name_or_path or path.is_file():
+        return
+    versioned = [name for name, file in BUILTIN.items() if Path(file).stem == name_or_path]
+    hint = f"; the built-in `{versioned[0]}` is that file (name it without the version)" if versioned else ""
+    raise ConfigError(
+        f"judge.template: {name_or_path!r} is neither a built-in template ({', '.join(BUILTIN)}) nor a template "
+        f"YAML file{hint}"
+    )
+
+
 def load_template(name_or_path: str) -> JudgeTemplate:
     """A built-in template by name (`tldr`, `helpfulness`) or a template YAML file by path."""
     if name_or_path in BUILTIN:

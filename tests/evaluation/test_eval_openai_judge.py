@@ -10,6 +10,7 @@ import pytest
 
 from rloo_engine.evaluation import JudgeEndpointError, run_evaluation
 from rloo_engine.evaluation.pairings import orders_for
+from rloo_engine.evaluation.report import format_summary
 from rloo_engine.evaluation.result_checks import UntrustworthyResultError
 from rloo_engine.testing.fake_openai_server import rate_limited, slow_first
 from tests.evaluation.eval_helpers import API_KEY
@@ -62,6 +63,7 @@ def test_single_order_mode_uses_a_seeded_order_per_prompt(fake_server, make_conf
     assert server.request_count == 10  # one call per prompt
     assert r.win_rate == expected_first / 10  # "A" always wins, so the policy wins exactly where it was shown first
     assert r.consistency_rate is None
+    assert "consistency    n/a  " in format_summary(report) and "n/a%" not in format_summary(report)
     assert {row["order"] for row in rows} == {"ab", "ba"}  # a seeded coin, not a fixed order
     other_seed = [orders_for(row["prompt_id"], "single", 4) for row in rows]
     assert other_seed != [(row["order"],) for row in rows]
