@@ -121,6 +121,9 @@ def render_summary(s: dict[str, Any], stores: dict[str, str], smoke: bool,
                          f"{pct(r['win_rate'])}  95% CI [{pct(r['ci_low'])}, {pct(r['ci_high'])}]  n={r['n']}"))
             rows.append(("  length-controlled", pct(r.get("lc_win_rate"))))
     gate = "n/a" if not promo else f"{'PASSED' if promo['passed'] else 'not passed'}: {promo['reason']}"
+    if smoke and promo:
+        gate += (" (smoke mode proves the path runs, not that the policy learns: a few steps and a gate threshold "
+                 "of 0, so registration runs too; the full demo shows learning)")
     rows += [("promotion gate", gate),
              (f"MLflow run (UI on port {mlflow_port}, command below)",
               f"http://127.0.0.1:{mlflow_port}/#/experiments/{exp}/runs/{run}")]

@@ -84,6 +84,8 @@ def ingest_sft_checkpoint(sft: SFTSection, run_dir: str, parent: RunRef) -> Chec
                 f"sft.source: {sft.source} has a tokenizer without an eos_token; completions could never end"
             )
         tracking.set_tags(parent, {"rloo.sft_digest": info.digest})
+        # On the parent too, as a param: the runs table's Compare view lines flow runs up by their params.
+        tracking.log_params(parent, {"sft.digest": info.digest})
         return info
 
 

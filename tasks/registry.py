@@ -178,9 +178,9 @@ def describe_model_version(
         "sft_digest": sft.digest,
         "sft_source": sft.source,
         "global_step": trained.global_step,
-        f"{GATE_PAIRING}.win_rate": gate.get("win_rate"),
-        f"{GATE_PAIRING}.ci_low": gate.get("ci_low"),
-        f"{GATE_PAIRING}.ci_high": gate.get("ci_high"),
+        f"{GATE_PAIRING}.win_rate": _rate(gate.get("win_rate")),
+        f"{GATE_PAIRING}.ci_low": _rate(gate.get("ci_low")),
+        f"{GATE_PAIRING}.ci_high": _rate(gate.get("ci_high")),
     }
     for key, value in {**tags, **_weights_tags(trained)}.items():
         c.set_model_version_tag(registered.model_name, registered.version, key, str(value))
@@ -191,9 +191,14 @@ def _version_description(trained: TrainStageResult, gate: dict) -> str:
     reward = trained.metrics
     return (
         f"RLOO policy after {trained.global_step} steps (reward {reward.get('reward_start', float('nan')):.4f} -> "
-        f"{reward.get('reward_end', float('nan')):.4f}); {GATE_PAIRING} win rate {gate.get('win_rate')} "
-        f"CI [{gate.get('ci_low')}, {gate.get('ci_high')}]. {_weights_note(trained)}"
+        f"{reward.get('reward_end', float('nan')):.4f}); {GATE_PAIRING} win rate {_rate(gate.get('win_rate'))} "
+        f"CI [{_rate(gate.get('ci_low'))}, {_rate(gate.get('ci_high'))}]. {_weights_note(trained)}"
     )
+
+
+def _rate(value: float | None) -> str:
+    """A rate as the summaries print it (4 decimals: a CI's bound is not known to 17 digits); `n/a` when missing."""
+    return "n/a" if value is None else f"{value:.4f}"
 
 
 def _weights_tags(trained: TrainStageResult) -> dict[str, str]:

@@ -14,6 +14,11 @@ from rloo_engine.pipeline.stage_results import RewardStats
 log = logging.getLogger(__name__)
 
 
+
+def _short(value: float | None) -> str:
+    """A probe statistic as the log shows it: 4 significant digits (a 16-prompt mean is not known to 17)."""
+    return "n/a" if value is None else f"{value:.4g}"
+
 def probe_rewards(
     reward: RewardSection,
     data: DataSection,
@@ -64,7 +69,8 @@ def probe_rewards(
             n_scored=scored.numel(),
         )
         stats[name] = s
-        logger.info("reward probe %s: mean=%s std=%s over %d of %d", name, s.mean, s.std, s.n_scored, len(prompts))
+        logger.info("reward probe %s: mean=%s std=%s over %d of %d", name, _short(s.mean), _short(s.std), s.n_scored,
+                    len(prompts))
         if name == "reward_model":
             _check_model_scores(column, model_path or "", len(set(completions)))
         elif s.n_scored == 0:

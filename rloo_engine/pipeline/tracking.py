@@ -124,9 +124,12 @@ def child_run(parent: RunRef, stage: str) -> tuple[RunRef, int]:
     run = _find_run(c, parent.experiment_id, {TAG_PARENT: parent.run_id, TAG_STAGE: stage})
     if run is None:
         parent_tags = c.get_run(parent.run_id).data.tags
+        # `train-<flow run name>`, not `train`: a model version's Source Run and a search across flow runs show the
+        # run name alone. The stage is the `rloo.stage` tag.
+        flow_run_name = parent_tags.get("mlflow.runName", "").rsplit("/", 1)[-1]
         run = c.create_run(
             parent.experiment_id,
-            run_name=stage,
+            run_name=f"{stage}-{flow_run_name}" if flow_run_name else stage,
             tags={TAG_PARENT: parent.run_id, TAG_STAGE: stage, TAG_FLOW_RUN: parent_tags.get(TAG_FLOW_RUN, "")},
         )
         attempt = 1
@@ -212,15 +215,21 @@ def flat_params(values: dict[str, Any], prefix: str = "") -> dict[str, str]:
         if isinstance(value, dict) and value and key not in _WHOLE_DICT_OPTIONS:
             flat.update(flat_params(value, name + "."))
         else:
-            flat[name] = (value if isinstance(value, str) else json.dumps(value))[:MLFLOW_PARAM_LIMIT]
+            flat[name] = param_text(value)[:MLFLOW_PARAM_LIMIT]
     return flat
+
+
+def param_text(value: Any) -> str:
+    """A param's text, the same in every run: a string as it is, anything else as JSON (`["my.mod:fn"]`, `true`,
+    `null`), never Python's repr (`['my.mod:fn']`, `True`, `None`)."""
+    return value if isinstance(value, str) else json.dumps(value, default=str)
 
 
 def log_params(ref: RunRef, params: dict[str, Any]) -> None:
     """Logs params in batches; values are strings cut to MLflow's limit."""
     from mlflow.entities import Param
 
-    items = [Param(k, str(v)[:MLFLOW_PARAM_LIMIT]) for k, v in params.items()]
+    items = [Param(k, param_text(v)[:MLFLOW_PARAM_LIMIT]) for k, v in params.items()]
     c = client(ref.tracking_uri)
     for i in range(0, len(items), 100):
         c.log_batch(ref.run_id, params=items[i : i + 100])

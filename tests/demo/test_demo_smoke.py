@@ -37,7 +37,7 @@ def test_demo_smoke_prints_summary_and_records_every_stage(tmp_path):
     runs = client.search_runs([exp.experiment_id])
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert len(parents) == 1
-    children = {r.data.tags.get("mlflow.runName"): r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
+    children = {r.data.tags.get("rloo.stage"): r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
     assert {"ingest", "reward", "train", "evaluate", "register"} <= set(children), sorted(children)
     train, evaluation = children["train"], children["evaluate"]
     assert [m.step for m in client.get_metric_history(train.info.run_id, "reward")] == [2, 4]
@@ -76,6 +76,9 @@ def test_demo_smoke_prints_summary_and_records_every_stage(tmp_path):
     # The summary table has a header, the Prefect command sets the port its UI calls, and captured to a
     # file the asset build prints plain progress lines, not redrawn bars.
     assert "| measure | value |" in out and "| | |" not in out
+    # A smoke run's gate (threshold 0) passes whatever the policy learned: the summary says so beside it.
+    gate_row = next(ln for ln in out.splitlines() if ln.startswith("| promotion gate |"))
+    assert "smoke mode proves the path runs, not that the policy learns" in gate_row, gate_row
     assert "PREFECT_SERVER_API_PORT=4200 .venv/bin/prefect server start" in out
     asset_lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("demo assets")]
     assert asset_lines and len(asset_lines) <= 40 and not any("\r" in ln for ln in asset_lines)

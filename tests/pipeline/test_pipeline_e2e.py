@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -64,7 +65,16 @@ def test_on_demand_run_is_tracked_and_registered_when_the_gate_passes(deployed):
     assert datasets["train"] == {"train_prompts"} and datasets["evaluate"] == {"eval_prompts"}
     assert {d.dataset.name for d in client.get_run(parent.info.run_id).inputs.dataset_inputs} == {
         "train_prompts", "eval_prompts"}
-    assert version.tags["sft_digest"] == parent.data.tags["rloo.sft_digest"]
+    assert version.tags["sft_digest"] == parent.data.tags["rloo.sft_digest"] == parent.data.params["sft.digest"]
+    # Issue 45: what the registry and the runs table show reads as a person would write it.
+    flow_run_name = parent.data.tags["mlflow.runName"].rsplit("/", 1)[-1]
+    assert {s: r.data.tags["mlflow.runName"] for s, r in runs.items()} == {s: f"{s}-{flow_run_name}" for s in runs}
+    for rate in ("win_rate", "ci_low", "ci_high"):
+        assert re.fullmatch(r"\d\.\d{4}", version.tags[f"policy_vs_sft.{rate}"]), version.tags
+    assert re.search(r"CI \[\d\.\d{4}, \d\.\d{4}\]\.", version.description), version.description
+    # One option reads the same in every run: JSON, as the parent's flattened config stores it.
+    assert runs["reward"].data.params["reward.functions"] == parent.data.params["reward.functions"]
+    assert runs["train"].data.params["train.bf16"] == parent.data.params["train.bf16"] == "false"
 
 
 def test_gate_failure_records_why_and_registers_nothing(deployed):
