@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import importlib.util
 import json
 import os
 import sys
@@ -195,6 +196,13 @@ def main_help() -> str:
     return "\n".join(lines)
 
 
+def completions_line(out: Path, cfg: RLOOConfig) -> str:
+    """`completions.jsonl` when the run wrote it (log_completions, or a reward function's `log_extra` columns)."""
+    if (out / "completions.jsonl").is_file():
+        return str(out / "completions.jsonl")
+    return "none (log_completions: false)" if not cfg.log_completions else "none written"
+
+
 def outputs_report(result, cfg: RLOOConfig) -> str:
     """Where a finished `train` wrote its outputs: final model, metrics, checkpoints, the MLflow run."""
     from rloo_engine.run.checkpoint import checkpoint_dirs
@@ -209,7 +217,7 @@ def outputs_report(result, cfg: RLOOConfig) -> str:
         f"  metrics       {result.metrics_path}",
         f"  checkpoints   {', '.join(p.name for p in checkpoints) if checkpoints else 'none kept'}"
         + (" (resume with --resume_from_checkpoint latest)" if checkpoints else ""),
-        f"  completions   {out / 'completions.jsonl'}",
+        f"  completions   {completions_line(out, cfg)}",
     ]
     tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
     run_id = getattr(result, "mlflow_run_id", None) or os.environ.get("MLFLOW_RUN_ID")
@@ -225,7 +233,8 @@ def outputs_report(result, cfg: RLOOConfig) -> str:
         experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "rloo-engine")
         lines.append(f"  MLflow run    {cfg.run_name or 'a new run'} in experiment {experiment} at {tracking_uri}")
     else:
-        lines.append("  MLflow run    none (set MLFLOW_TRACKING_URI to log to MLflow)")
+        install = "" if importlib.util.find_spec("mlflow") else " and pip install 'rloo-pipeline[mlflow]'"
+        lines.append(f"  MLflow run    none (set MLFLOW_TRACKING_URI{install} to log to MLflow)")
     return "\n".join(lines)
 
 

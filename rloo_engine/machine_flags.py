@@ -36,6 +36,11 @@ def check_machine_flags(cfg: RLOOConfig, has_cuda: bool | None = None) -> None:
         if importlib.util.find_spec(module) is None:
             raise ConfigError(f"{field}: true needs the `{package}` package, which is not installed; "
                               f"pip install {package}")
+    tracking = [name for name in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID") if os.environ.get(name)]
+    if "mlflow" in cfg.trackers() and tracking and importlib.util.find_spec("mlflow") is None:
+        raise ConfigError(f"report_to: {', '.join(cfg.report_to)} logs to MLflow when {tracking[0]} is set, as it "
+                          "is here, but the mlflow package is not installed (the engine alone does not bring it); "
+                          "pip install 'rloo-pipeline[mlflow]', or report_to: none")
 
 
 def tf32_available() -> bool:

@@ -53,6 +53,10 @@ def test_trl_command_line_runs(tmp_path, qwen2_model, reward_model):
     assert f"final model   {out / 'final'} (the LoRA adapter, PEFT layout)" in proc.stdout
     assert f"metrics       {out / 'metrics.jsonl'}" in proc.stdout
     assert "MLflow run    none (report_to: none)" in proc.stdout  # report_to none: not even with MLFLOW_* set
+    # log_completions is false: no completions.jsonl exists, and the report names none.
+    assert "completions   none (log_completions: false)" in proc.stdout and not (out / "completions.jsonl").exists()
+    # DeepSpeed (installed here) guesses its accelerator on import; its "Setting accelerator to CPU" line is not ours
+    assert "Setting accelerator to CPU" not in proc.stderr + proc.stdout
     assert (out / "final" / "adapter_config.json").is_file()  # LoRA: the adapter, as TRL saves it
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
