@@ -23,6 +23,8 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+# flows/ is not installed (only rloo_engine is): it is imported from this checkout, as Prefect's workers do.
+sys.path.insert(0, str(REPO))
 BIN = Path(sys.executable).parent
 OVERRIDES = {"launch.num_machines": 2, "launch.num_processes": 2, "launch.nodes.poll_interval_s": 1,
              "launch.nodes.start_timeout_s": 300}

@@ -37,6 +37,20 @@ def test_the_wheel_carries_the_profiles_and_templates(wheel):
     assert {"rloo_engine/evaluation/templates/tldr_v1.yaml", "rloo_engine/py.typed"} <= names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert not any(n.startswith("tests/") for n in names)
+    # Only the library: top-level `flows` / `tasks` packages would shadow (or be shadowed by) a user's own modules.
+    assert {n.split("/")[0] for n in names if "/" in n and not n.split("/")[0].endswith(".dist-info")} == {"rloo_engine"}
+
+
+def test_the_engine_alone_requires_none_of_the_pipeline_packages(wheel):
+    """`pip install rloo-pipeline` is the engine: MLflow, Prefect and the openai client come only with extras."""
+    with zipfile.ZipFile(wheel) as z:
+        metadata = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    requires = [line.removeprefix("Requires-Dist: ") for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    core = {r.split(">")[0].split("=")[0].split("<")[0].strip() for r in requires if "extra ==" not in r}
+    assert {"torch", "transformers", "accelerate", "datasets", "peft", "safetensors", "pydantic"} <= core, core
+    assert not core & {"mlflow", "prefect", "openai", "aiohttp", "matplotlib", "pandas", "psutil"}, core
+    extras = {r.split("extra ==")[1].strip().strip('"') for r in requires if "extra ==" in r}
+    assert {"mlflow", "openai", "pipeline", "dev"} <= extras, extras
 
 
 def test_an_installed_copy_finds_its_profiles_without_the_repository(wheel, tmp_path):
