@@ -75,6 +75,9 @@ def build_accelerator(cfg: RLOOConfig) -> Accelerator:
                                   "fp16 loss scaling); use bf16: true or a GPU node")
             # Without a device accelerate finds no backend and reports one process per rank; gloo fixes both.
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+            from rloo_engine.torch_extensions import clear_stale_lock
+
+            clear_stale_lock()  # each rank, before it waits on the lock itself (a rank's wait would never end)
         acc = Accelerator(**kwargs)
     else:
         # Without an accelerator, `cpu=True` lets a torchrun-style launch form a gloo process group (MULTI_CPU).

@@ -53,4 +53,12 @@ else
   PYTHONWARNINGS=ignore quiet "${pip[@]}" install -e ".[$extras]"  # setuptools notes every editable build
   echo "$want" > "$stamp"
 fi
+if "$venv/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('deepspeed') is None)" && \
+    ! "$venv/bin/python" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+  # DeepSpeed on CPU compiles its communication op on first use (minutes on a loaded core); once here, under a
+  # bound, instead of inside the first DeepSpeed run (where a timeout killed the compile and left a lock behind).
+  echo "setup: DeepSpeed's CPU communication op (compiled once, loaded when already built)"
+  DS_ACCELERATOR=cpu timeout 1200 "$venv/bin/python" -c \
+    "from rloo_engine.torch_extensions import build_shm_comm_op; build_shm_comm_op()" 2>&1 | tail -2
+fi
 echo "setup: done ($("$venv/bin/python" -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")'))"
