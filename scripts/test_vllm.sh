@@ -25,9 +25,17 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # The project's requirements, not the project: an editable install would build in this checkout while CI's
   # main setup does the same; the tests import it from the checkout (pytest's pythonpath, PYTHONPATH).
   "$venv/bin/python" - > "$venv/requirements.txt" <<'PY'
-import tomllib
+import re, tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-print("\n".join(project["dependencies"] + project["optional-dependencies"]["dev"]))
+extras = project["optional-dependencies"]
+
+def requirements(extra):
+    """An extra's requirements, with its references to this project's other extras (rloo-pipeline[a,b]) expanded."""
+    for req in extras[extra]:
+        own = re.fullmatch(r"rloo-pipeline\[(.+)\]", req)
+        yield from (r for name in own.group(1).split(",") for r in requirements(name.strip())) if own else [req]
+
+print("\n".join(project["dependencies"] + sorted(set(requirements("dev")))))
 PY
   "${pip[@]}" install -c "$constraints" -r "$venv/requirements.txt" 2>&1 | { grep -v "is ignored: it is neither" || true; }
   echo "$want" > "$stamp"
