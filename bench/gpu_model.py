@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from rloo_engine.testing import tiny_models
 
+EOS_SHARE = 40  # one id in this many ends a completion
 SHAPES = {
     "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048),
@@ -30,6 +31,11 @@ def build(out: Path, size: str) -> Path:
                       eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
+    # EOS reachable: at random init the one EOS id has probability ~1/vocab per token, so every completion would run
+    # to the length limit, every length-based reward would tie and every advantage be 0. Listing 1/40 of the ids as
+    # EOS (generation_config allows several) ends most completions early, at different lengths.
+    stop_ids = range(cfg.vocab_size - cfg.vocab_size // EOS_SHARE, cfg.vocab_size)
+    model.generation_config.eos_token_id = [tok.eos_token_id, *stop_ids]
     print(f"gpu_model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters ({size}) -> {out}")
     model.save_pretrained(out / "policy")
     tok.save_pretrained(out / "policy")

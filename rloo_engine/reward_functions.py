@@ -32,3 +32,9 @@ def char_fraction(completions: list, **_) -> list[float]:
     """Fraction of characters equal to TARGET_CHAR (env `RLOO_TARGET_CHAR`, default "e"): a dense toy reward."""
     target = os.environ.get("RLOO_TARGET_CHAR", "e")
     return [text.count(target) / len(text) if text else 0.0 for text in map(completion_text, completions)]
+
+
+def even_token_fraction(completion_ids: list[list[int]], **_) -> list[float]:
+    """Fraction of completion tokens with an even id: depends on every sampled token, so even a random-init model's
+    completions get different rewards (bench/gpu_check.sh uses it to make every step's gradient non-zero)."""
+    return [sum(t % 2 == 0 for t in ids) / len(ids) if ids else 0.0 for ids in completion_ids]
