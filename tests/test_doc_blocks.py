@@ -195,8 +195,16 @@ PRODUCTION_SUBSTITUTIONS = [
 ]
 
 
-def _production_values(root: Path) -> dict[str, str]:
-    return {"root": str(root), "repo": str(REPO), "mlflow_port": str(free_port()), "prefect_port": str(free_port())}
+def _set_up_and_deploy(name: str, substitutions: list[tuple[str, str, str]], root: Path) -> None:
+    """Runs the blocks marked `run NAME` as one shell session on free loopback ports, then checks what they deployed."""
+    values = {"root": str(root), "repo": str(REPO), "mlflow_port": str(free_port()), "prefect_port": str(free_port())}
+    session = ShellSession(root)
+    try:
+        for command in commands(_substituted(run_blocks(name), substitutions, values)):
+            session.run(command)
+        _assert_deployed(session)
+    finally:
+        session.close()
 
 
 def _assert_deployed(session: ShellSession) -> None:
@@ -217,21 +225,12 @@ def _assert_deployed(session: ShellSession) -> None:
 def test_readme_production_deployment_runs_as_written(tmp_path):
     """README "Production deployment": MLflow and Prefect servers, both work pools, a worker, every deployment and
     the automations, on a fresh state directory (before issue 45 step 4 exited 1: pool `train-nodes` missing)."""
-    values = _production_values(tmp_path)
-    text = _substituted(run_blocks("production-setup"), PRODUCTION_SUBSTITUTIONS, values)
-    session = ShellSession(tmp_path)
-    try:
-        for command in commands(text):
-            session.run(command)
-        _assert_deployed(session)
-    finally:
-        session.close()
+    _set_up_and_deploy("production-setup", PRODUCTION_SUBSTITUTIONS, tmp_path)
 
 
 @pytest.mark.slow
 def test_pipeline_doc_set_up_runs_as_written(tmp_path):
     """docs/pipeline.md's set-up blocks in order: MLflow server, Prefect server, pools, worker, deploy."""
-    values = _production_values(tmp_path)
     substitutions = [
         ("postgresql://mlflow:***@db.internal:5432/mlflow", "sqlite:///{root}/mlflow.db",
          "no PostgreSQL in CI: MLflow's SQLite store"),
@@ -246,14 +245,7 @@ def test_pipeline_doc_set_up_runs_as_written(tmp_path):
         ("http://mlflow.internal:5000", "http://127.0.0.1:{mlflow_port}", "the server started above"),
         ("/opt/rloo-pipeline", "{repo}", "the checkout under test"),
     ]
-    text = _substituted(run_blocks("pipeline-setup"), substitutions, values)
-    session = ShellSession(tmp_path)
-    try:
-        for command in commands(text):
-            session.run(command)
-        _assert_deployed(session)
-    finally:
-        session.close()
+    _set_up_and_deploy("pipeline-setup", substitutions, tmp_path)
 
 
 def test_readme_engine_commands_run_as_written(tmp_path):

@@ -172,7 +172,6 @@ class JudgeConfig(StrictModel):
         "`math_reference`: correctness against a reference answer, see `reference_answer_column`) or the path of a "
         "template YAML file. Used by the openai and hf backends.",
     )
-
     temperature: float = F(
         0.0, "openai: sampling temperature of the judge. 0 makes verdicts (and the cache) stable.", ge=0.0
     )

@@ -14,10 +14,10 @@ from rloo_engine.pipeline.stage_results import RewardStats
 log = logging.getLogger(__name__)
 
 
-
 def _short(value: float | None) -> str:
     """A probe statistic as the log shows it: 4 significant digits (a 16-prompt mean is not known to 17)."""
     return "n/a" if value is None else f"{value:.4g}"
+
 
 def probe_rewards(
     reward: RewardSection,
