@@ -59,7 +59,8 @@ def test_the_engine_root_holds_the_loop_the_math_config_data_models_rewards_and_
     rooms = {  # what the engine root holds; a new root module needs a place here, or a room of its own
         "loop": {"trainer", "trainer_inputs", "trainer_bookkeeping", "callbacks", "eval_during_training", "batch",
                  "prompt_feed", "prompt_stream", "logprobs", "prompt_sharing", "fast_path", "distributed",
-                 "metrics", "mlflow_sender", "progress", "trackers", "optim", "schedules", "machine_flags"},
+                 "metrics", "mlflow_sender", "progress", "trackers", "optim", "schedules", "machine_flags",
+                 "torch_extensions"},
         "math": {"algorithm"},
         "config": {"config", "config_base", "config_docs", "config_model_options", "config_vllm_options",
                    "config_eval_options", "import_paths", "trl_fields"},

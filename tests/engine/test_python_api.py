@@ -275,11 +275,12 @@ def test_the_seed_example_needs_no_args_and_writes_where_trl_writes(tmp_path, qw
 
 
 def readme_python_example() -> str:
-    from tests.engine.helpers import REPO
+    """The README block whose doc-test marker names this file (`covered tests/engine/test_python_api.py:...`)."""
+    from tests.doc_blocks import REPO, blocks
 
-    text = (REPO / "README.md").read_text()
-    start = text.index("```python\n", text.index("<!-- python-api-example")) + len("```python\n")
-    return text[start:text.index("```", start)]
+    (block,) = [b for b in blocks(REPO / "README.md")
+                if b.kind == "covered" and "tests/engine/test_python_api.py:python-api-example" in b.argument]
+    return block.text
 
 
 def test_the_readme_python_example_runs(tmp_path, qwen2_model, monkeypatch):
