@@ -3,7 +3,7 @@
     bash bench/setup_trl_venv.sh          # once: .venv-trl with torch (CPU), this project and TRL
     python bench/vs_trl.py                # both default sizes, 2 rounds of A B (~11-16 min on 2 loaded CPU cores)
     python bench/vs_trl.py --sizes 256x4:2000 --rounds 3 --steps 5
-    python bench/vs_trl.py --grid          # the 12 shapes of issue 20 (vocab 512/32k/152k x 256/4, 512/8 x 2x, 4x)
+    python bench/vs_trl.py --grid          # 18 cells: vocab 512/32k/152k x 256/4, 512/8 (4x) x prompts 8/64/512
 
 For each model size it builds, in a temporary directory and without downloading anything: a BPE
 tokenizer trained on generated text, a random-init Qwen2-shaped policy, a random-init reward model of
@@ -60,7 +60,11 @@ def parse_size(text: str) -> tuple[int, int, int, int]:
 
 
 # vocabulary {512, 32k, 152k} x {hidden 256 / 4 layers, hidden 512 / 8 layers} x intermediate {2x, 4x} hidden
-GRID = [(h, n, v, m) for v in (512, 32000, 152000) for h, n in ((256, 4), (512, 8)) for m in (2, 4)]
+# Issue 47's grid: vocabulary {512, 32k, 152k} x {hidden 256 / 4 layers, hidden 512 / 8 layers}, intermediate 4x hidden
+# (issue 20's grid also had 2x: `--sizes 256x4:512/2 ...`), each at prompt lengths 8 / 64 / 512 tokens (where prompt
+# sharing pays: each distinct prompt forwarded once, its KV shared by its G completions): 18 cells.
+GRID = [(h, n, v, 4) for v in (512, 32000, 152000) for h, n in ((256, 4), (512, 8))]
+GRID_PROMPT_LENGTHS = [8, 64, 512]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,7 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes", type=parse_size, nargs="+", default=[(256, 4, 2000, 2), (512, 8, 32000, 2)],
                    help="model sizes as HIDDENxLAYERS:VOCAB[/MULT] (intermediate = MULT x hidden, default 2; 4 heads, "
                         "2 KV heads, tied)")
-    p.add_argument("--grid", action="store_true", help=f"every shape of the grid instead of --sizes ({len(GRID)})")
+    p.add_argument("--grid", action="store_true",
+                   help=f"every shape of the grid instead of --sizes ({len(GRID)}), at each of --prompt-lengths "
+                        f"(default with --grid: {GRID_PROMPT_LENGTHS})")
     p.add_argument("--rounds", type=int, default=2, help="rounds of (engine run, TRL run) per size")
     p.add_argument("--steps", type=int, default=3, help="measured optimizer steps per run")
     p.add_argument("--warmup-steps", type=int, default=1, help="optimizer steps run first in each run, not measured")
@@ -76,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16, help="completions per optimizer step (a multiple of G)")
     p.add_argument("--max-completion-length", type=int, default=64)
     p.add_argument("--prompt-length", type=int, default=64, help="tokens in every prompt")
+    p.add_argument("--prompt-lengths", type=int, nargs="+", default=None,
+                   help="several prompt lengths: every size runs at each (default: --prompt-length; --grid: 8 64 512)")
     p.add_argument("--beta", type=float, default=0.05)
     p.add_argument("--trl-python", type=Path, default=DEFAULT_TRL_PYTHON,
                    help="python of the venv that has TRL (bench/setup_trl_venv.sh)")
@@ -90,6 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.grid:
         args.sizes = GRID
+    args.prompt_lengths = args.prompt_lengths or (GRID_PROMPT_LENGTHS if args.grid else [args.prompt_length])
     if args.trl_worker is None:
         if args.batch % args.num_generations:
             p.error(f"--batch: {args.batch} is not a multiple of --num-generations={args.num_generations}")
@@ -124,7 +133,8 @@ def build_assets(root: Path, hidden: int, layers: int, vocab: int, mult: int, ar
     # rows (ids the tokenizer never produces), so the LM head and embedding have the requested size.
     model_vocab = max(vocab, len(tokenizer))
     shape = dict(vocab_size=model_vocab, hidden_size=hidden, intermediate_size=mult * hidden, num_hidden_layers=layers,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                 num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=max(512, args.prompt_length + args.max_completion_length),
                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                  bos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
     import torch
@@ -320,7 +330,7 @@ def print_size(size: dict, args: argparse.Namespace) -> None:
     a, c = size["assets"], size["comparison"]
     padded = (f", padded to {a['model_vocab']} in the model" if a["model_vocab"] > a["tokenizer_vocab"] else "")
     print(f"model     qwen2, hidden {size['hidden']}, {size['layers']} layers, intermediate {size['intermediate']}, "
-          f"vocab {a['model_vocab']} "
+          f"vocab {a['model_vocab']}, prompts {size['prompt_length']} tok "
           f"(tokenizer {a['tokenizer_vocab']}{padded}): {a['params'] / 1e6:.1f}M params; reward model same shape")
     print(f"load      1-min load average {size['load_before']:.2f} before, {size['load_after']:.2f} after"
           f"{'  << machine loaded (> 1.5): times inflated' if max(size['load_before'], size['load_after']) > 1.5 else ''}")
@@ -346,19 +356,20 @@ def print_size(size: dict, args: argparse.Namespace) -> None:
 
 def print_table(sizes: list[dict]) -> None:
     """Every shape in one table, then the worst and the best shape's speed-up (a headline quotes both)."""
-    print("| shape (hidden, layers, intermediate, vocab) | params | TRL s/step | engine s/step | speed | peak RSS ratio "
-          "| load before/after |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape (hidden, layers, intermediate, vocab) | prompt tok | params | TRL s/step | engine s/step | speed "
+          "| peak RSS ratio | load before/after |")
+    print("|---|---|---|---|---|---|---|---|")
     for z in sizes:
         a, c = z["assets"], z["comparison"]
-        print(f"| {z['hidden']}, {z['layers']}, {z['intermediate']}, {a['model_vocab']:,} | {a['params'] / 1e6:.1f}M "
+        print(f"| {z['hidden']}, {z['layers']}, {z['intermediate']}, {a['model_vocab']:,} | {z['prompt_length']} "
+              f"| {a['params'] / 1e6:.1f}M "
               f"| {c['trl_s_per_step']:.2f} | {c['engine_s_per_step']:.2f} | **{c['speedup']:.2f}x** "
               f"| **{c['rss_ratio']:.2f}x** | {z['load_before']:.2f} / {z['load_after']:.2f} |")
     worst = min(sizes, key=lambda z: z["comparison"]["speedup"])
     best = max(sizes, key=lambda z: z["comparison"]["speedup"])
     for name, z in (("worst", worst), ("best", best)):
-        print(f"{name} shape: {z['hidden']}x{z['layers']}, intermediate {z['intermediate']}, vocab "
-              f"{z['assets']['model_vocab']}: {z['comparison']['speedup']:.2f}x TRL steps/s, "
+        print(f"{name} cell: {z['hidden']}x{z['layers']}, intermediate {z['intermediate']}, vocab "
+              f"{z['assets']['model_vocab']}, prompts {z['prompt_length']} tok: {z['comparison']['speedup']:.2f}x TRL steps/s, "
               f"{z['comparison']['rss_ratio']:.2f}x its peak RSS")
 
 
@@ -381,12 +392,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rloo-engine vs TRL (bench/vs_trl.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})")
     print(f"TRL {trl_ver}, torch {torch_ver}; {os.cpu_count()} CPUs, one torch thread per run (OMP_NUM_THREADS=1)")
     print(f"config    {args.batch} completions/step = {args.batch // args.num_generations} prompts x "
-          f"G={args.num_generations}; prompt {args.prompt_length} tok, <= {args.max_completion_length} new tok; "
+          f"G={args.num_generations}; prompts of {'/'.join(map(str, args.prompt_lengths))} tok, "
+          f"<= {args.max_completion_length} new tok; "
           f"beta {args.beta}; float32; reward: same-shape reward model")
     print(f"runs      {args.rounds} rounds of engine, TRL (alternating); each {args.warmup_steps} warmup + "
           f"{args.steps} measured steps; s/step = each trainer's own optimizer-step time; RSS = ru_maxrss per process\n")
     sizes = []
-    for hidden, layers, vocab, mult in args.sizes:
+    cells = [(size, length) for size in args.sizes for length in args.prompt_lengths]
+    for (hidden, layers, vocab, mult), prompt_length in cells:
+        args.prompt_length = prompt_length  # build_assets and both runs read it
         with tempfile.TemporaryDirectory(prefix="rloo-vs-trl-") as tmp:
             root = Path(tmp)
             assets = build_assets(root, hidden, layers, vocab, mult, args)
@@ -398,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
                     work.mkdir()
                     run = run_engine(args, assets, work) if side == "engine" else run_trl(args, assets, work)
                     runs[side].append(run)
-            size = {"hidden": hidden, "layers": layers, "intermediate": mult * hidden, "assets": assets, "runs": runs,
+            size = {"hidden": hidden, "layers": layers, "intermediate": mult * hidden, "prompt_length": prompt_length,
+                    "assets": assets, "runs": runs,
                     "load_before": load_before, "load_after": os.getloadavg()[0], "comparison": compare(runs)}
         print_size(size, args)
         sizes.append(size)
