@@ -16,6 +16,7 @@ import pytest
 
 from rloo_engine.testing.tiny_models import write_prompt_file
 from rloo_engine.torch_extensions import SHM_COMM_OP, clear_stale_lock, cpu_build_dir
+from tests.engine.helpers import repo_pythonpath
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is the `deepspeed` extra; scripts/setup.sh installs it")
 REPO = Path(__file__).resolve().parents[2]
@@ -39,7 +40,7 @@ def extensions_dir(tmp_path, monkeypatch) -> Path:
 
 
 def _env(root: Path) -> dict[str, str]:
-    return {**os.environ, "TORCH_EXTENSIONS_DIR": str(root), "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+    return {**os.environ, "TORCH_EXTENSIONS_DIR": str(root), "DS_ACCELERATOR": "cpu", "PYTHONPATH": repo_pythonpath()}
 
 
 def test_a_stale_lock_makes_deepspeed_wait_and_is_removed(extensions_dir):

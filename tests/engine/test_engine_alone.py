@@ -12,13 +12,15 @@ from pathlib import Path
 
 import yaml
 
+from tests.engine.helpers import repo_pythonpath
+
 REPO = Path(__file__).resolve().parents[2]
 PIPELINE_ONLY = "mlflow,prefect,openai,aiohttp,matplotlib,psutil,deepspeed"
 
 
 def engine(*args: str, env_extra: dict[str, str] | None = None, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env_extra or {})})
+    env.update({"PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1", **(env_extra or {})})
     cmd = [sys.executable, str(REPO / "tests/engine/scripts/without_modules.py"), PIPELINE_ONLY, "--",
            "-m", "rloo_engine", *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
