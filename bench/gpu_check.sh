@@ -68,10 +68,10 @@ import torch
 if sys.argv[1] == "gpu":
     assert torch.cuda.is_available(), "CUDA is not visible to torch"
     print("cuda", torch.version.cuda, torch.cuda.get_device_name(0))
+import rloo_engine.trainer  # noqa: F401  (the whole engine imports: config, models, generation, distributed)
 versions = {"python": sys.version.split()[0], "torch": torch.__version__}
 for name in ("transformers", "accelerate", "pydantic", "datasets", "deepspeed"):
     versions[name] = __import__(name).__version__
-import rloo_engine.trainer  # noqa: F401  (the whole engine imports: config, models, generation, distributed)
 print(" ".join(f"{k} {v}" for k, v in versions.items()))
 # The image's torch cannot be replaced there (no network; a CUDA torch wheel is far over the 64 MiB carry), so a run
 # below pyproject's lower bound says so instead of passing for a tested configuration.
