@@ -93,9 +93,13 @@ def check_template_name(name_or_path: str) -> None:
     path = Path(name_or_path)
     if name_or_path in BUILTIN or path.suffix in (".yaml", ".yml") or "/" in name_or_path or path.is_file():
         return
+    raise _unknown_template(name_or_path)
+
+
+def _unknown_template(name_or_path: str) -> ConfigError:
     versioned = [name for name, file in BUILTIN.items() if Path(file).stem == name_or_path]
     hint = f"; the built-in `{versioned[0]}` is that file (name it without the version)" if versioned else ""
-    raise ConfigError(
+    return ConfigError(
         f"judge.template: {name_or_path!r} is neither a built-in template ({', '.join(BUILTIN)}) nor a template "
         f"YAML file{hint}"
     )
@@ -110,9 +114,7 @@ def load_template(name_or_path: str) -> JudgeTemplate:
         path = Path(name_or_path)
         source = str(path)
         if not path.is_file():
-            raise ConfigError(
-                f"judge.template: {name_or_path!r} is neither a built-in template ({', '.join(BUILTIN)}) nor a file"
-            )
+            raise _unknown_template(name_or_path)
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:
