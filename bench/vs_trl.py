@@ -150,6 +150,9 @@ def build_assets(root: Path, hidden: int, layers: int, vocab: int, mult: int, ar
     reward.save_pretrained(root / "reward")
     tokenizer.save_pretrained(root / "reward")
     params = sum(t.numel() for t in policy.parameters())
+    heads = shape["num_attention_heads"]
+    arithmetic_shape = {"hidden": hidden, "layers": layers, "intermediate": mult * hidden, "heads": heads,
+                        "kv_heads": shape["num_key_value_heads"], "head_dim": hidden // heads, "vocab": model_vocab}
 
     # Prompts of exactly `prompt_length` tokens whose text re-tokenizes to the same length, so that neither
     # trainer truncates (TRL 1.x has no max_prompt_length) and both see identical prompt tokens.
@@ -163,7 +166,7 @@ def build_assets(root: Path, hidden: int, layers: int, vocab: int, mult: int, ar
         raise SystemExit(f"prompts: only {len(prompts)} of 512 re-tokenize to {args.prompt_length} tokens; expected >= 64")
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in prompts))
     return {"policy": str(root / "policy"), "reward": str(root / "reward"), "prompts": str(root / "prompts.jsonl"),
-            "tokenizer_vocab": len(tokenizer), "model_vocab": model_vocab, "params": params}
+            "tokenizer_vocab": len(tokenizer), "model_vocab": model_vocab, "params": params, "shape": arithmetic_shape}
 
 
 # ---------------------------------------------------------------- one run of each side
@@ -326,6 +329,56 @@ def compare(results: dict[str, list[dict]]) -> dict:
             "engine_peak_rss_mib": engine_rss, "trl_peak_rss_mib": trl_rss, "rss_ratio": engine_rss / trl_rss}
 
 
+def accounting(size: dict, args: argparse.Namespace) -> dict:
+    """Each engine phase's model FLOPs (bench/flops.py) against its measured time and this cell's float32 matmul
+    peak; generation also against the decode ceiling; TRL's step likewise, and the FLOP ratio of the two steps."""
+    from bench import flops
+
+    shape = flops.Shape(**size["assets"]["shape"])
+    peak, ceiling = size["peak_flop_per_s"], size["decode_ceiling_flop_per_s"]
+    engine_runs, trl_runs = size["runs"]["engine"], size["runs"]["trl"]
+    length = statistics.mean(run["completion_length"] for run in engine_runs)
+    tokens = flops.Tokens(args.batch, args.num_generations, size["prompt_length"], length * args.batch)
+    reference_forwards = 0 if not args.beta else 2 if "sampling_logprobs=forward" in args.engine_option else 1
+    work = flops.engine_phases(shape, tokens, reference_forwards)
+    step_s = statistics.mean(s for run in engine_runs for s in run["step_s"])
+    phases = {}
+    for name, seconds in ((p, statistics.mean(run["phases"].get(p, 0.0) for run in engine_runs)) for p in work):
+        phases[name] = {"seconds": seconds, "gflop": work[name] / 1e9,
+                        "of_peak": work[name] / seconds / peak if seconds else None}
+    phases["other"] = {"seconds": step_s - sum(p["seconds"] for p in phases.values()), "gflop": 0.0, "of_peak": None}
+    engine_flops = sum(work.values())
+    trl_lengths = [run["completion_length"] for run in trl_runs if run["completion_length"] is not None]
+    trl_tokens = flops.Tokens(args.batch, args.num_generations, size["prompt_length"],
+                              (statistics.mean(trl_lengths) if trl_lengths else length) * args.batch)
+    trl_flops = sum(flops.trl_phases(shape, trl_tokens, args.beta).values())
+    trl_step_s = statistics.mean(s for run in trl_runs for s in run["step_s"])
+    generation = phases["generation"]
+    return {
+        "batch": args.batch, "peak_gflop_per_s": peak / 1e9, "decode_ceiling_gflop_per_s": ceiling / 1e9, "phases": phases,
+        "generation_of_decode_ceiling": work["generation"] / generation["seconds"] / ceiling if generation["seconds"] else None,
+        "engine_gflop_per_step": engine_flops / 1e9, "engine_of_peak": engine_flops / step_s / peak,
+        "trl_gflop_per_step": trl_flops / 1e9, "trl_of_peak": trl_flops / trl_step_s / peak,
+        # TRL's step over the engine's at the same tokens: the speed-up if both ran at the same fraction of peak
+        "flop_ratio": sum(flops.trl_phases(shape, tokens, args.beta).values()) / engine_flops,
+    }
+
+
+def print_accounting(a: dict) -> None:
+    print(f"  arithmetic: float32 matmul peak {a['peak_gflop_per_s']:.1f} GFLOP/s (this run, one thread); a decode "
+          f"step's matmuls at {a['batch']} rows, weights from memory: {a['decode_ceiling_gflop_per_s']:.1f} "
+          f"GFLOP/s ({a['decode_ceiling_gflop_per_s'] / a['peak_gflop_per_s']:.0%} of peak)")
+    for name, p in a["phases"].items():
+        of_peak = f"{p['of_peak']:6.1%} of peak" if p["of_peak"] is not None else f"{'-':>6}"
+        extra = (f" ({a['generation_of_decode_ceiling']:.0%} of the decode ceiling)"
+                 if name == "generation" and a["generation_of_decode_ceiling"] is not None else "")
+        print(f"    {name:<14}{p['seconds']:7.2f} s {p['gflop']:8.1f} GFLOP  {of_peak}{extra}")
+    print(f"    {'step':<14}{'':9}{a['engine_gflop_per_step']:8.1f} GFLOP  {a['engine_of_peak']:6.1%} of peak;  TRL "
+          f"{a['trl_gflop_per_step']:.1f} GFLOP at {a['trl_of_peak']:.1%} of peak; TRL's work / the engine's = "
+          f"{a['flop_ratio']:.2f} (the speed-up at equal efficiency; 1.5x needs the engine at "
+          f"{1.5 / a['flop_ratio'] * a['trl_of_peak']:.0%} of peak)")
+
+
 def print_size(size: dict, args: argparse.Namespace) -> None:
     a, c = size["assets"], size["comparison"]
     padded = (f", padded to {a['model_vocab']} in the model" if a["model_vocab"] > a["tokenizer_vocab"] else "")
@@ -351,7 +404,9 @@ def print_size(size: dict, args: argparse.Namespace) -> None:
     print(f"  median s/step: engine {c['engine_s_per_step']:.2f}, TRL {c['trl_s_per_step']:.2f}  ->  "
           f"engine speed-up {c['speedup']:.2f}x TRL steps/s")
     print(f"  median peak RSS: engine {c['engine_peak_rss_mib']:.0f} MiB, TRL {c['trl_peak_rss_mib']:.0f} MiB  ->  "
-          f"engine/TRL {c['rss_ratio']:.2f}\n")
+          f"engine/TRL {c['rss_ratio']:.2f}")
+    print_accounting(size["accounting"])
+    print()
 
 
 def print_table(sizes: list[dict]) -> None:
@@ -365,6 +420,21 @@ def print_table(sizes: list[dict]) -> None:
               f"| {a['params'] / 1e6:.1f}M "
               f"| {c['trl_s_per_step']:.2f} | {c['engine_s_per_step']:.2f} | **{c['speedup']:.2f}x** "
               f"| **{c['rss_ratio']:.2f}x** | {z['load_before']:.2f} / {z['load_after']:.2f} |")
+    print("\nThe arithmetic of each cell (bench/flops.py): the engine's phases as a fraction of the float32 matmul peak "
+          "measured before the cell; generation also of the decode ceiling (its matmuls at this batch, weights from "
+          "memory); TRL's step; TRL's FLOPs / the engine's (the speed-up at equal efficiency)\n")
+    print("| cell (hidden, layers, vocab, prompt tok) | peak GFLOP/s | generation (of ceiling) | reward | reference "
+          "| update | engine step | TRL step | TRL/engine FLOPs |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for z in sizes:
+        a = z["accounting"]
+        ph = {k: f"{v['of_peak']:.0%}" if v["of_peak"] is not None else "-" for k, v in a["phases"].items()}
+        gen = a["generation_of_decode_ceiling"]
+        print(f"| {z['hidden']}, {z['layers']}, {z['assets']['model_vocab']:,}, {z['prompt_length']} "
+              f"| {a['peak_gflop_per_s']:.0f} | {ph['generation']} ({gen:.0%} of {a['decode_ceiling_gflop_per_s']:.0f}) "
+              f"| {ph['reward']} | {ph['reference']} | {ph['policy_update']} | {a['engine_of_peak']:.0%} "
+              f"| {a['trl_of_peak']:.0%} | {a['flop_ratio']:.2f} |")
+    print()
     worst = min(sizes, key=lambda z: z["comparison"]["speedup"])
     best = max(sizes, key=lambda z: z["comparison"]["speedup"])
     for name, z in (("worst", worst), ("best", best)):
@@ -384,8 +454,12 @@ def main(argv: list[str] | None = None) -> int:
         return trl_worker(args.trl_worker)
     sys.path.insert(0, str(REPO))
     engine_options(args.engine_option)  # a bad option stops here, before any tokenizer is trained
+    import torch
     import transformers
 
+    from bench import flops
+
+    torch.set_num_threads(1)  # the peak and the decode ceiling are measured on one thread, as each run has
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     trl_ver, torch_ver = trl_version(args.trl_python).split()
@@ -405,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
             root = Path(tmp)
             assets = build_assets(root, hidden, layers, vocab, mult, args)
             load_before = os.getloadavg()[0]
+            # Measured in this process (one thread, as each run has) just before the cell's runs.
+            peak = flops.matmul_peak()
+            ceiling = flops.decode_matmul_ceiling(flops.Shape(**assets["shape"]), args.batch)
             runs: dict[str, list[dict]] = {side: [] for side in SIDES}
             for round_ in range(args.rounds):
                 for side in SIDES:
@@ -414,7 +491,9 @@ def main(argv: list[str] | None = None) -> int:
                     runs[side].append(run)
             size = {"hidden": hidden, "layers": layers, "intermediate": mult * hidden, "prompt_length": prompt_length,
                     "assets": assets, "runs": runs,
-                    "load_before": load_before, "load_after": os.getloadavg()[0], "comparison": compare(runs)}
+                    "load_before": load_before, "load_after": os.getloadavg()[0], "comparison": compare(runs),
+                    "peak_flop_per_s": peak, "decode_ceiling_flop_per_s": ceiling}
+            size["accounting"] = accounting(size, args)
         print_size(size, args)
         sizes.append(size)
     print_table(sizes)
