@@ -248,27 +248,30 @@ def _probe_difference(model, autocast, vocab: int, device, rows: int = 2, **vari
 
 
 @contextlib.contextmanager
-def frozen(model: torch.nn.Module):
-    """`model`'s parameters with requires_grad off, restored after. Under no_grad that changes no value, but
-    `torch.matmul` picks its kernel path (folding a (B, 1, H) input into one mm or not) by its operands'
-    requires_grad, so a trainable policy and its frozen reference copy could round the same input differently
-    (a KL of 1e-7 between identical models on some CPUs)."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    for p in trainable:
-        p.requires_grad_(False)
+def frozen(model: torch.nn.Module, like: torch.nn.Module | None = None):
+    """`model`'s parameters with requires_grad off (or, given `like`, set as `like`'s parameters of the same names
+    are), restored after. Under no_grad that changes no value, but `torch.matmul` picks its kernel path (folding a
+    (B, 1, H) input into one mm or not) by its operands' requires_grad, so a trainable policy and its frozen
+    reference copy could round the same input differently (a KL of 1e-7 between identical models on some CPUs).
+    `like=policy` gives a reference pass the kernels of the policy's training forward."""
+    wanted = {} if like is None else {name: p.requires_grad for name, p in like.named_parameters()}
+    saved = {p: p.requires_grad for p in model.parameters()}
+    for name, p in model.named_parameters():
+        p.requires_grad_(wanted.get(name, False))
     try:
         yield model
     finally:
-        for p in trainable:
-            p.requires_grad_(True)
+        for p, flag in saved.items():
+            p.requires_grad_(flag)
 
 
 @torch.no_grad()
 def batched_token_logps(model, input_ids, attention_mask, prompt_length, temperature, batch_size,
-                        chunked: bool = False, share_prompts: bool = False) -> torch.Tensor:
+                        chunked: bool = False, share_prompts: bool = False,
+                        kernels_of: torch.nn.Module | None = None) -> torch.Tensor:
     """No-grad `completion_token_logps` over a whole generation batch, `batch_size` rows at a time, with the
-    kernels a frozen model gets (`frozen`)."""
-    with frozen(model):
+    kernels a frozen model gets, or with `kernels_of` those of that model's training forward (`frozen`)."""
+    with frozen(model, like=kernels_of):
         parts = [
             completion_token_logps(model, input_ids[i : i + batch_size], attention_mask[i : i + batch_size],
                                    prompt_length, temperature, chunked=chunked, share_prompts=share_prompts)[0]

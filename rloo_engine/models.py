@@ -101,6 +101,26 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.p = 0.0
 
 
+def has_active_dropout(model: torch.nn.Module) -> bool:
+    """Whether a training-mode forward of `model` drops anything: a `torch.nn.Dropout` with p > 0, or a dropout
+    rate in its config (e.g. `attention_dropout`, which attention applies functionally in training mode)."""
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+
+    def rates(config: dict) -> list[float]:
+        found = []
+        for key, value in config.items():
+            if isinstance(value, dict):
+                found += rates(value)
+            elif isinstance(key, str) and ("dropout" in key or key.endswith("pdrop")) \
+                    and isinstance(value, (int, float)) and not isinstance(value, bool):
+                found.append(float(value))
+        return found
+
+    config = getattr(model, "config", None)
+    return any(rate > 0 for rate in rates(config.to_dict() if config is not None else {}))
+
+
 def load_policy(cfg: RLOOConfig, given: torch.nn.Module | None = None, peft_config: Any = None) -> PreTrainedModel:
     """The trainable policy; a peft model with only LoRA weights trainable when `use_peft`. `given`: the model object
     of `RLOOTrainer(model=...)` (prepared in place; a PeftModel keeps its adapters), `peft_config` its `peft_config`."""

@@ -46,6 +46,7 @@ from rloo_engine.metrics import MetricsLogger
 from rloo_engine.models import (
     RouterAuxLoss,
     eos_token_ids,
+    has_active_dropout,
     hub_kwargs,
     load_policy,
     load_reference,
@@ -100,6 +101,7 @@ class RLOOTrainer(TrainerBookkeeping):
                                                            decide_start=self.start_decided)
         self.steps_per_generation = cfg.steps_per_generation_for(self.acc.num_processes)
         self.on_policy = cfg.num_iterations == 1 and cfg.gradient_accumulation_steps % self.steps_per_generation == 0
+        self._deferred_advantages: dict | None = None  # what `loss` needs to finish the batch's advantages
         set_seed(cfg.seed)
         # Cheap checks first: a bad dataset or reward function fails before any model is loaded.
         self.dataset = train_prompts(cfg, self.inputs)  # a Dataset, or a stream (IterableDataset)
@@ -121,6 +123,11 @@ class RLOOTrainer(TrainerBookkeeping):
                                                    self.inputs.reward_tokenizers)
         self.reward_watch = EmptySourceWatch(self.reward_sources, cfg.reward_source_max_empty_steps)
         self.policy = load_policy(cfg, given, self.inputs.peft_config)
+        # A generation batch that is one micro-batch is trained on at the weights its pi_old forward would run at:
+        # the KL then comes from the training forward's own log-probs, detached, and that no-grad pass is skipped
+        # (without dropout, the training forward computes what the eval-mode pass would).
+        self.kl_from_training_forward = (self.steps_per_generation * cfg.num_iterations == 1
+                                          and not has_active_dropout(self.policy))
         self.ref = load_reference(cfg, self.inputs.reference)
         self.router_aux = RouterAuxLoss(self.policy, cfg.router_aux_loss_coef)  # MoE load balancing, as TRL
         self.optimizer = build_optimizer(cfg, parameter_groups(self.policy, cfg.weight_decay), self._say)
@@ -239,12 +246,13 @@ class RLOOTrainer(TrainerBookkeeping):
         input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
         attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
         P, mask = rollout.prompt_ids.size(1), rollout.completion_mask
-        old_logps, kl, token_kl_mean = None, torch.zeros_like(rewards), 0.0
+        old_logps, kl, ref_logps = None, torch.zeros_like(rewards), None
         # vLLM's log-probs are never pi_old: the trainer's own forward is (here, or on-policy the training forward's,
         # detached), and `loss` compares the two. HF's decoding log-probs are the trainer's own, so they may be.
         generator_logps = rollout.generator_logps
         recorded_logps = rollout.sampling_logps if generator_logps is None else None
-        truncation = self._sampling_params().truncation() if generator_logps is not None else None
+        truncation = (self._sampling_params().truncation()
+                      if generator_logps is not None and rollout.generator_logps_processed else None)
         with self._timed("reference"):
             if c.beta > 0 or not self.on_policy or truncation:
                 self.policy.eval()  # sampling-policy and reference log-probs, without dropout noise
@@ -260,7 +268,7 @@ class RLOOTrainer(TrainerBookkeeping):
                         # log of the mass the truncation kept, here the trainer's at pi_old. Without this, rho
                         # and the importance weights at the sampling weights would be prod_t Z_t, not 1.
                         generator_logps = (generator_logps.to(kept_log_mass.device) + kept_log_mass) * mask
-                    elif old_logps is None:
+                    elif old_logps is None and not (c.beta > 0 and self.kl_from_training_forward):
                         with self.acc.autocast():  # as the reference below and the training forward
                             old_logps = batched_token_logps(self.policy, input_ids, attention_mask, P, c.temperature,
                                                             c.per_device_train_batch_size, self.chunked_logprobs,
@@ -269,25 +277,46 @@ class RLOOTrainer(TrainerBookkeeping):
                         # accelerate's autocast wraps only the prepared model's forward; every log-prob pass runs
                         # inside it explicitly, so the chunked head (which runs after the forward) and the
                         # reference use the policy's precision, and identical models give a KL of exactly 0.
-                        with self.acc.autocast(), reference_context(self.acc.unwrap_model(self.policy), self.ref):
+                        policy = self.acc.unwrap_model(self.policy)
+                        # Against the training forward's log-probs (old_logps None), with its kernels: identical
+                        # models then give a KL of exactly 0 there too.
+                        with self.acc.autocast(), reference_context(policy, self.ref):
                             ref_logps = batched_token_logps(self.ref or self.policy, input_ids, attention_mask, P,
                                                             c.temperature, c.per_device_train_batch_size,
-                                                            self.chunked_logprobs, self.share_prompts)
-                        kl = A.sequence_kl(old_logps, ref_logps, mask)  # (N,) k1 sequence KL: enters the reward
-                        token_kl_mean = (kl.sum() / mask.sum().clamp(min=1)).item()  # TRL's `kl`: per token
+                                                            self.chunked_logprobs, self.share_prompts,
+                                                            kernels_of=policy if old_logps is None else None)
+                        if old_logps is not None:
+                            kl = A.sequence_kl(old_logps, ref_logps, mask)  # (N,) k1 sequence KL: enters the reward
                 finally:
                     self.policy.train()
 
+        loss_weights = valid.float()
+        if c.mask_truncated_completions:
+            loss_weights = loss_weights * rollout.terminated.float()
+        finish = dict(scored=scored, rewards=rewards, valid=valid, rollout=rollout, completions=completions,
+                      samples=(rendered, logged_columns, logged_metrics))
+        if c.beta > 0 and old_logps is None:  # kl_from_training_forward: `loss` finishes the advantages
+            self._deferred_advantages = {**finish, "ref_logps": ref_logps}
+            advantages = torch.zeros_like(rewards)  # replaced in `loss`, before any use
+        else:
+            advantages = self._advantages(kl=kl, **finish)
+        # Each live row weighs the same in its optimizer steps, however the masked rows fall into micro-batches.
+        live_per_micro_batch = max(loss_weights.sum().item(), 1.0) / self.steps_per_generation
+        return GenerationBatch(input_ids, attention_mask, mask, advantages, loss_weights,
+                               None if self.on_policy else old_logps, P, live_per_micro_batch,
+                               None if generator_logps is None else generator_logps.to(self.acc.device))
+
+    def _advantages(self, scored, rewards, valid, rollout, completions, samples, kl) -> torch.Tensor:
+        """Leave-one-out advantages of the KL-penalised rewards (N,); logs the batch's metrics and samples."""
+        c, G = self.cfg, self.cfg.num_generations
         total_reward = A.kl_penalized_rewards(rewards, kl, c.beta)
         advantages = A.leave_one_out_advantages(total_reward, G, valid)
         if c.normalize_advantages:
             # Over every scorable row of every process, as TRL normalises over the gathered batch.
             advantages = A.normalize_advantages(advantages, valid, self.acc.gather(advantages),
                                                 self.acc.gather(valid))
-        loss_weights = valid.float()
-        if c.mask_truncated_completions:
-            loss_weights = loss_weights * rollout.terminated.float()
-
+        token_kl_mean = (kl.sum() / rollout.completion_mask.sum().clamp(min=1)).item()  # TRL's `kl`: per token
+        rendered, logged_columns, logged_metrics = samples
         for name, value in {**generation_metrics(scored, rewards, valid, kl, token_kl_mean, rollout, G),
                             **logged_metrics}.items():
             self.window[name].append(value)
@@ -296,11 +325,7 @@ class RLOOTrainer(TrainerBookkeeping):
              "advantage": float(a)}
             for i, (r, t, rw, a) in enumerate(zip([p for p in rendered for _ in range(G)], completions, rewards, advantages))
         ]
-        # Each live row weighs the same in its optimizer steps, however the masked rows fall into micro-batches.
-        live_per_micro_batch = max(loss_weights.sum().item(), 1.0) / self.steps_per_generation
-        return GenerationBatch(input_ids, attention_mask, mask, advantages, loss_weights,
-                               None if self.on_policy else old_logps, P, live_per_micro_batch,
-                               None if generator_logps is None else generator_logps.to(self.acc.device))
+        return advantages
 
     # ------------------------------------------------------------------ the loss of one micro-batch
     def loss(self, mb: dict) -> torch.Tensor:
@@ -315,6 +340,9 @@ class RLOOTrainer(TrainerBookkeeping):
                                                           share_prompts=self.share_prompts and not c.gradient_checkpointing)
         mask, row_weights = mb["completion_mask"], mb["loss_weights"]
         old = mb["old_token_logps"] if mb["old_token_logps"] is not None else token_logps.detach()
+        if self._deferred_advantages is not None:  # this forward is pi_old of the whole batch: the KL comes from it
+            deferred, self._deferred_advantages = self._deferred_advantages, None
+            mb["advantages"] = self._advantages(kl=A.sequence_kl(old, deferred.pop("ref_logps"), mask), **deferred)
         anchor_logps, weights = old, None
         if mb["generator_logps"] is not None:
             weights = self._generator_weights(old, mb["generator_logps"], mask)
@@ -345,8 +373,9 @@ class RLOOTrainer(TrainerBookkeeping):
         """Logs how far the generator's (vLLM's) log-probs are from pi_old, the trainer's; with
         `vllm_importance_sampling_correction`, returns (and logs) the importance weights pi_old / pi_vllm."""
         c = self.cfg
+        sampler = "vllm" if c.use_vllm else "bf16_decoding"  # generation_dtype: bfloat16 on the HF backend
         for k, v in A.logprob_difference_stats(old, generator_logps, mask).items():
-            self.window[f"vllm/logprob_diff_{k}"].append(v.item())
+            self.window[f"{sampler}/logprob_diff_{k}"].append(v.item())
         if not c.vllm_importance_sampling_correction:
             return None
         weights = A.generator_importance_weights(old, generator_logps, mask, c.vllm_importance_sampling_mode,
