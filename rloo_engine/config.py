@@ -192,6 +192,19 @@ class RLOOConfig(EvalOptions, LoraOptions, VLLMOptions, ModelLoadingOptions):
         "does a model whose decode step differs from its own forward on a probe batch at the first generation (with "
         "a message). HF backend only.",
     )
+    generation_dtype: Literal["auto", "bfloat16"] = F(
+        "auto",
+        "The precision the HF backend samples in. `auto`: the policy's own. `bfloat16`: a float32 policy decodes in "
+        "the fused loop (`fused_decode`) on bfloat16 copies of its matmul weights, about 2x faster where decoding "
+        "streams its weights from memory and bf16 matmuls are fast (CPUs with AMX or AVX512-BF16, GPUs): on the "
+        "2-core CPU of bench/README.md, 1.95x per completion token at hidden 512 / 8 layers. The samples then come "
+        "from the bf16 policy, close to but not exactly pi_old: the KL and pi_old come from the trainer's float32 "
+        "forward (the training forward's own where a generation batch is one micro-batch, so no pass is added), the "
+        "decoding log-probs are compared with them (`bf16_decoding/logprob_diff_mean`, `_max`) and, with "
+        "`vllm_importance_sampling_correction: true`, weight the update by pi_old / pi_bf16 as vLLM's do. Models the "
+        "fused loop does not cover sample in the policy's dtype, with a message. Not in TRL (its HF path samples in "
+        "the policy's dtype); HF backend only.",
+    )
     ratio_anchor: Literal["auto", "old_policy", "vllm"] = F(
         "auto",
         "What the PPO ratio rho is taken against. `old_policy` (TRL's): rho = pi_theta / pi_old, the trainer's "
@@ -391,6 +404,8 @@ class RLOOConfig(EvalOptions, LoraOptions, VLLMOptions, ModelLoadingOptions):
         if self.vllm_server_base_url is not None and not self.vllm_server_base_url.startswith(("http://", "https://")):
             raise ValueError(f"vllm_server_base_url: {self.vllm_server_base_url!r}; expected an http:// or https:// "
                              "URL such as http://127.0.0.1:8000")
+        if self.generation_dtype != "auto":
+            self._check_generation_dtype()
         if self.vllm_importance_sampling_correction:
             self._check_importance_sampling()
         if self.async_generation:
@@ -476,11 +491,25 @@ class RLOOConfig(EvalOptions, LoraOptions, VLLMOptions, ModelLoadingOptions):
                 "'sequence_mask' or 'token_mask' (or ratio_anchor: old_policy)"
             )
 
+    def _check_generation_dtype(self) -> None:
+        value = f"generation_dtype: {self.generation_dtype!r}"
+        if self.use_vllm:
+            raise ValueError(f"{value} with use_vllm: true; vLLM samples in its own dtype (the model's, `dtype`); "
+                             "generation_dtype is the HF backend's, so set generation_dtype: auto")
+        if self.dtype != "float32" or self.bf16 or self.fp16:
+            raise ValueError(f"{value} with dtype: {self.dtype}, bf16: {str(self.bf16).lower()}, fp16: "
+                             f"{str(self.fp16).lower()}; it decodes a float32 policy in bfloat16, and this policy "
+                             "already samples in half precision: set generation_dtype: auto")
+        if self.sampling_logprobs == "generation":
+            raise ValueError(f"{value} with sampling_logprobs: 'generation'; the bf16 decoding log-probs are not the "
+                             "float32 policy's pi_old: use sampling_logprobs: auto (the trainer's forward gives them)")
+
     def _check_importance_sampling(self) -> None:
-        if not self.use_vllm:
+        if not self.use_vllm and self.generation_dtype == "auto":
             raise ValueError(
-                "vllm_importance_sampling_correction: true without use_vllm: true; the weights correct for vLLM's "
-                "sampling, and the HF backend samples from the trainer's own policy"
+                "vllm_importance_sampling_correction: true without use_vllm: true or generation_dtype: bfloat16; the "
+                "weights correct for a sampler other than the trainer's policy, and the HF backend samples from the "
+                "trainer's own policy"
             )
         low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         if low is not None and high is not None and low >= high:
@@ -499,7 +528,7 @@ class RLOOConfig(EvalOptions, LoraOptions, VLLMOptions, ModelLoadingOptions):
         """Whether `sampling_logprobs` resolves to the decoding log-probs (see its description)."""
         if self.sampling_logprobs != "auto":
             return self.sampling_logprobs == "generation"
-        full_precision = not (self.bf16 or self.fp16) and self.dtype == "float32"
+        full_precision = not (self.bf16 or self.fp16) and self.dtype == "float32" and self.generation_dtype == "auto"
         return full_precision and not self.use_vllm and self.repetition_penalty == 1.0
 
     @property

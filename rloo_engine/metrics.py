@@ -40,7 +40,7 @@ RUN_FILE = "mlflow_run.json"
 ARTIFACTS = ("config.yaml", "metrics.jsonl", "completions.jsonl")  # a finished run's files, uploaded at its end
 
 # Metrics that are extremes over the logging window and the processes, not means of per-micro-batch extremes.
-EXTREMES = {"vllm/logprob_diff_max": max, "sampling/importance_sampling_ratio/max": max,
+EXTREMES = {"vllm/logprob_diff_max": max, "bf16_decoding/logprob_diff_max": max, "sampling/importance_sampling_ratio/max": max,
             "sampling/importance_sampling_ratio/min": min}
 # Per-process extremes TRL also logs beside the mean over processes: metric -> (name logged, reduction).
 PROCESS_EXTREMES = {"completions/min_length": ("completions/min_length", min),

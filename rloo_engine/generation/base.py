@@ -17,10 +17,12 @@ class Rollout:
     completion_mask: (N, T) 1 up to and including the first EOS; terminated: (N,) bool.
     sampling_logps: (N, T) float32 log pi(o_t) at the sampling temperature, recorded while decoding
     (0 where masked), or None when the backend did not record them. The trainer uses them as pi_old.
-    generator_logps: (N, T) float32 log-prob an external generator (vLLM) reported for each sampled token at
-    the sampling temperature (after its processors: vLLM's processed log-probs), 0 where masked; None from the
-    HF backend. Never pi_old: the trainer compares them with its own forward pass (the mismatch metrics) and
-    forms importance weights from them (`vllm_importance_sampling_correction`).
+    generator_logps: (N, T) float32 log-prob a sampler other than the trainer's own policy reported for each
+    sampled token at the sampling temperature, 0 where masked: vLLM's (after its processors: its processed
+    log-probs, `generator_logps_processed`), or the HF backend's bfloat16 decoding (`generation_dtype`, the full
+    distribution); None when the HF backend samples in the policy's dtype. Never pi_old: the trainer compares them
+    with its own forward pass (the mismatch metrics) and forms importance weights from them
+    (`vllm_importance_sampling_correction`).
     """
 
     prompt_ids: torch.Tensor
@@ -30,6 +32,7 @@ class Rollout:
     terminated: torch.Tensor
     sampling_logps: torch.Tensor | None = None
     generator_logps: torch.Tensor | None = None
+    generator_logps_processed: bool = True  # of the truncated distribution when top_k / top_p / min_p are on
 
 
 @dataclass

@@ -26,7 +26,10 @@ def build_backend(cfg, tokenizer, params: SamplingParams, acc, *, policy_getter,
                                       revision=cfg.model_revision, trust_remote_code=cfg.trust_remote_code)
         acc.wait_for_everyone()  # every rank's engine is up before the first collective of training
         return backend
+    import torch
+
     from rloo_engine.generation.hf import HFGenerationBackend
 
+    decode_dtype = torch.bfloat16 if cfg.generation_dtype == "bfloat16" else None
     return HFGenerationBackend(policy_getter, tokenizer, params, gather=gather, record_logps=record_logps,
-                               fused_decode=cfg.fused_decode, say=say)
+                               fused_decode=cfg.fused_decode, say=say, decode_dtype=decode_dtype)

@@ -84,10 +84,15 @@ def unsupported_reason(model: Any, extra: dict[str, Any] | None, repetition_pena
 
 class FusedDecoder:
     """`model`'s decoder layers packed for one-token steps; positions below `positions` are supported. Holds copies
-    of the q/k/v and gate/up weights (build one per generation call: the weights change every optimizer step)."""
+    of the q/k/v and gate/up weights (build one per generation call: the weights change every optimizer step).
 
-    def __init__(self, model: Any, positions: int):
+    `dtype` (e.g. bfloat16): every step runs in it, on copies of all the matmul weights in it (`generation_dtype`);
+    the embedding rows a step looks up are cast, not the table. None: the model's own (float32) weights."""
+
+    def __init__(self, model: Any, positions: int, dtype: torch.dtype | None = None):
         body, cfg = model.model, model.config
+        cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))
+        self.dtype = dtype
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = body.layers[0].self_attn.head_dim
         self.intermediate = cfg.intermediate_size
@@ -99,20 +104,24 @@ class FusedDecoder:
                     torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
             gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t()
             qk_norms = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else None  # Qwen3: per head, pre-rope
-            self.layers.append((layer.input_layernorm, qkv, bias, qk_norms, attn.o_proj.weight.t(), attn.scaling,
-                                layer.post_attention_layernorm, gate_up, mlp.down_proj.weight.t()))
-        self.embed, self.norm, self.head = body.embed_tokens.weight, body.norm, model.lm_head.weight.t()
+            if qk_norms is not None:
+                qk_norms = tuple(_Norm.of(n, cast) for n in qk_norms)
+            self.layers.append((_Norm.of(layer.input_layernorm, cast), cast(qkv), None if bias is None else cast(bias),
+                                qk_norms, cast(attn.o_proj.weight.t()), attn.scaling,
+                                _Norm.of(layer.post_attention_layernorm, cast), cast(gate_up),
+                                cast(mlp.down_proj.weight.t())))
+        self.embed, self.norm, self.head = body.embed_tokens.weight, _Norm.of(body.norm, cast), cast(model.lm_head.weight.t())
         cos, sin = body.rotary_emb(self.embed[:1, None], torch.arange(positions, device=self.embed.device)[None])
         half = self.head_dim // 2
         sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(sin)
         # rotate_half(x) * sin == flip_halves(x) * (sin with its first half negated): one flip, no slicing or cat.
-        self.cos, self.sin = cos[0], sin[0] * sign  # (positions, head_dim)
+        self.cos, self.sin = cast(cos[0]), cast(sin[0] * sign)  # (positions, head_dim)
 
     def step(self, layers: list[SequenceMajorLayer], tokens: torch.Tensor, positions: torch.Tensor,
              attend: torch.Tensor | None) -> torch.Tensor:
         """tokens, positions: (B,); attend: (B, 1, 1, L + 1) bool over the cached rows and this one, or None when
         every row attends to all of them. Appends each layer's key and value; returns (B, V) float32 logits."""
-        h = self.embed[tokens]  # (B, hidden)
+        h = self.embed[tokens] if self.dtype is None else self.embed[tokens].to(self.dtype)  # (B, hidden)
         B, H, Hkv, D = h.shape[0], self.heads, self.kv_heads, self.head_dim
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # (B, 1, D)
         for cache, (norm1, qkv_w, qkv_b, qk_norms, o_w, scale, norm2, gate_up_w, down_w) in zip(layers, self.layers):
@@ -129,7 +138,7 @@ class FusedDecoder:
             h = torch.addmm(h, out.view(B, H * D), o_w)
             gate_up = _rms_norm(norm2, h) @ gate_up_w
             h = torch.addmm(h, F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :], down_w)
-        return _rms_norm(self.norm, h) @ self.head
+        return (_rms_norm(self.norm, h) @ self.head).float()
 
     def decode(self, cache: Any, sequences: torch.Tensor, prefix_mask: torch.Tensor, max_new_tokens: int,
                processors: list[Callable], draw: Callable, eos_ids: tuple[int, ...], pad_id: int) -> torch.Tensor:
@@ -138,6 +147,9 @@ class FusedDecoder:
         drew an EOS are padded from then on, and the loop stops when every row has or after `max_new_tokens`.
         Returns (B, P + T) ids."""
         layers = cache.layers
+        if self.dtype is not None:
+            for layer in layers:
+                layer.cast(self.dtype)  # the prefill's keys and values, for attention in the decoding dtype
         B, P = sequences.shape
         out = sequences.new_full((B, P + max_new_tokens), pad_id)
         out[:, :P] = sequences
@@ -161,8 +173,16 @@ class FusedDecoder:
         return out
 
 
-def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+class _Norm(tuple):
+    """An RMSNorm's (weight, epsilon), the weight in the decoding dtype."""
+
+    @classmethod
+    def of(cls, norm: torch.nn.Module, cast: Callable) -> _Norm:
+        return cls((cast(norm.weight), norm.variance_epsilon))
+
+
+def _rms_norm(norm: _Norm, x: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), norm[0], norm[1])
 
 
 @torch.no_grad()

@@ -94,7 +94,7 @@ class HFGenerationBackend:
 
     def __init__(self, model_getter, tokenizer, params: SamplingParams, shared_prefill: bool = True,
                  gather=contextlib.nullcontext, record_logps: bool = False, fused_decode: bool = False,
-                 say=lambda message: None):
+                 say=lambda message: None, decode_dtype: torch.dtype | None = None):
         self.model_getter = model_getter  # callable returning the unwrapped policy (LoRA-aware)
         self.gather = gather  # context making full weights available (DeepSpeed ZeRO-3)
         self.tokenizer = tokenizer
@@ -102,6 +102,12 @@ class HFGenerationBackend:
         self.shared_prefill = shared_prefill
         self.record_logps = record_logps  # fill Rollout.sampling_logps while decoding
         self.eos_ids = params.eos_token_ids or (tokenizer.eos_token_id,)
+        # `generation_dtype`: the fused loop decodes in it, its log-probs reported as a generator's, not as pi_old
+        self.decode_dtype = decode_dtype
+        if decode_dtype is not None and not (fused_decode and shared_prefill):
+            say(f"generation_dtype: {str(decode_dtype).removeprefix('torch.')} decodes in the fused loop, and "
+                "fused_decode is off: sampling in the policy's dtype")
+            self.decode_dtype = None
         self._fused: bool | None = None if fused_decode and shared_prefill else False  # None: not checked yet
         self.say = say
 
@@ -156,7 +162,8 @@ class HFGenerationBackend:
         device = next(model.parameters()).device
         prompt_ids, prompt_mask = self.tokenize_prompts(prompts, device, add_special_tokens)
         was_training = model.training
-        recorder = SampledTokenLogProbs(self.params.temperature) if self.record_logps else None
+        recorder = SampledTokenLogProbs(self.params.temperature) if self.record_logps or self.decode_dtype else None
+        self._decoded_in = None  # the dtype the fused loop decoded this call in, when not the model's
         model.eval()
         try:
             with self.gather():
@@ -177,7 +184,11 @@ class HFGenerationBackend:
         mask, terminated = completion_mask(completion_ids, list(self.eos_ids))
         completion_ids = torch.where(mask.bool(), completion_ids, torch.full_like(completion_ids, self.tokenizer.pad_token_id))
         logps = recorder.finish(sequences) * mask if recorder is not None else None
-        return Rollout(prompt_ids, prompt_mask, completion_ids, mask, terminated, logps)
+        if self._decoded_in is not None:  # a bf16 sampler's log-probs: compared with pi_old, never taken for it
+            return Rollout(prompt_ids, prompt_mask, completion_ids, mask, terminated, generator_logps=logps,
+                           generator_logps_processed=False)
+        return Rollout(prompt_ids, prompt_mask, completion_ids, mask, terminated,
+                       logps if self.record_logps else None)
 
     def _generate_shared_prefill(self, model, prompt_ids, prompt_mask, g: int, recorder=None) -> torch.Tensor:
         """Prefills prompt[:, :-1] once, repeats the cache G times, lets `generate` (or `FusedDecoder`) continue from
@@ -194,7 +205,8 @@ class HFGenerationBackend:
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(g, 0), prompt_mask.repeat_interleave(g, 0)
         if self._fused_decode_runs(model):
             p = self.params
-            decoder = FusedDecoder(model, prompt_ids.size(1) + p.max_completion_length)
+            self._decoded_in = self.decode_dtype
+            decoder = FusedDecoder(model, prompt_ids.size(1) + p.max_completion_length, dtype=self.decode_dtype)
             draw = TokenSampler(p.temperature, p.top_k, p.top_p, p.min_p).draw
             return decoder.decode(cache, prompt_ids, prompt_mask[:, :-1], p.max_completion_length,
                                   [recorder] if recorder is not None else [], draw, self.eos_ids,

@@ -81,6 +81,12 @@ class SequenceMajorLayer(DynamicLayer):
             values[: self.length] = self._value_rows[: self.length]
         self._key_rows, self._value_rows = keys, values
 
+    def cast(self, dtype: torch.dtype) -> None:
+        """Stores the filled rows (and later appends) in `dtype`: a float32 prefill decoded in bfloat16."""
+        if self._key_rows is not None and self._key_rows.dtype != dtype:
+            self._key_rows, self._value_rows = self._key_rows.to(dtype), self._value_rows.to(dtype)
+            self._expose()
+
     def _expose(self) -> None:
         self.keys = self._key_rows[: self.length].permute(1, 2, 0, 3)
         self.values = self._value_rows[: self.length].permute(1, 2, 0, 3)
