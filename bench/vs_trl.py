@@ -90,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an extra `rloo-engine train` option, e.g. share_prompt_forward=false (a lever off)")
+    p.add_argument("--lever-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="adds a third run per round, `levers`: the engine with these options on top of --engine-option "
+                        "(e.g. generation_dtype=bfloat16), its speed-up and RSS ratio printed beside the default's")
     p.add_argument("--trl-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a TRL RLOOConfig field over the bench's (a JSON value: true, 0.3, \"colocate\"), e.g. "
                         "use_vllm=true on a GPU (bench/gpu_vs_trl.py)")
@@ -207,12 +210,17 @@ def common_settings(args: argparse.Namespace, assets: dict, output_dir: Path) ->
     }
 
 
-def run_engine(args: argparse.Namespace, assets: dict, work: Path) -> dict:
+def sides(args: argparse.Namespace) -> tuple[str, ...]:
+    return ("engine", "levers", "trl") if args.lever_option else SIDES
+
+
+def run_engine(args: argparse.Namespace, assets: dict, work: Path, levers: bool = False) -> dict:
     out = work / "engine-out"
     flags = {**common_settings(args, assets, out), "model_name_or_path": assets["policy"],
              "reward_model_name_or_path": assets["reward"], "dataset_name": assets["prompts"],
              "max_prompt_length": args.prompt_length, "dtype": "float32", "save_steps": 0, "disable_tqdm": "true",
-             **engine_options(args.engine_option)}
+             **engine_options(args.engine_option),
+             **(engine_options(args.lever_option, "--lever-option") if levers else {})}
     command = [sys.executable, "-m", "rloo_engine", "train"]
     for key, value in flags.items():
         command += [f"--{key}", str(value)]
@@ -325,18 +333,24 @@ def compare(results: dict[str, list[dict]]) -> dict:
     trl_s = statistics.median(s for run in results["trl"] for s in run["step_s"])
     engine_rss = statistics.median(run["peak_rss_mib"] for run in results["engine"])
     trl_rss = statistics.median(run["peak_rss_mib"] for run in results["trl"])
-    return {"engine_s_per_step": engine_s, "trl_s_per_step": trl_s, "speedup": trl_s / engine_s,
-            "engine_peak_rss_mib": engine_rss, "trl_peak_rss_mib": trl_rss, "rss_ratio": engine_rss / trl_rss}
+    out = {"engine_s_per_step": engine_s, "trl_s_per_step": trl_s, "speedup": trl_s / engine_s,
+           "engine_peak_rss_mib": engine_rss, "trl_peak_rss_mib": trl_rss, "rss_ratio": engine_rss / trl_rss}
+    if "levers" in results:
+        levers_s = statistics.median(s for run in results["levers"] for s in run["step_s"])
+        levers_rss = statistics.median(run["peak_rss_mib"] for run in results["levers"])
+        out.update(levers_s_per_step=levers_s, levers_speedup=trl_s / levers_s, levers_peak_rss_mib=levers_rss,
+                   levers_rss_ratio=levers_rss / trl_rss)
+    return out
 
 
-def accounting(size: dict, args: argparse.Namespace) -> dict:
+def accounting(size: dict, args: argparse.Namespace, side: str = "engine") -> dict:
     """Each engine phase's model FLOPs (bench/flops.py) against its measured time and this cell's float32 matmul
     peak; generation also against the decode ceiling; TRL's step likewise, and the FLOP ratio of the two steps."""
     from bench import flops
 
     shape = flops.Shape(**size["assets"]["shape"])
     peak, ceiling = size["peak_flop_per_s"], size["decode_ceiling_flop_per_s"]
-    engine_runs, trl_runs = size["runs"]["engine"], size["runs"]["trl"]
+    engine_runs, trl_runs = size["runs"][side], size["runs"]["trl"]
     length = statistics.mean(run["completion_length"] for run in engine_runs)
     tokens = flops.Tokens(args.batch, args.num_generations, size["prompt_length"], length * args.batch)
     reference_forwards = 0 if not args.beta else 2 if "sampling_logprobs=forward" in args.engine_option else 1
@@ -387,7 +401,7 @@ def print_size(size: dict, args: argparse.Namespace) -> None:
           f"(tokenizer {a['tokenizer_vocab']}{padded}): {a['params'] / 1e6:.1f}M params; reward model same shape")
     print(f"load      1-min load average {size['load_before']:.2f} before, {size['load_after']:.2f} after"
           f"{'  << machine loaded (> 1.5): times inflated' if max(size['load_before'], size['load_after']) > 1.5 else ''}")
-    for side in SIDES:
+    for side in sides(args):
         runs = size["runs"][side]
         steps = " ".join(f"{s:.2f}" for run in runs for s in run["step_s"])
         rss = " ".join(f"{run['peak_rss_mib']:.0f}" for run in runs)
@@ -405,21 +419,31 @@ def print_size(size: dict, args: argparse.Namespace) -> None:
           f"engine speed-up {c['speedup']:.2f}x TRL steps/s")
     print(f"  median peak RSS: engine {c['engine_peak_rss_mib']:.0f} MiB, TRL {c['trl_peak_rss_mib']:.0f} MiB  ->  "
           f"engine/TRL {c['rss_ratio']:.2f}")
+    if "levers" in size["runs"]:
+        print(f"  levers ({' '.join(args.lever_option)}): median s/step {c['levers_s_per_step']:.2f} -> "
+              f"{c['levers_speedup']:.2f}x TRL steps/s; peak RSS {c['levers_peak_rss_mib']:.0f} MiB -> "
+              f"{c['levers_rss_ratio']:.2f}x TRL's")
     print_accounting(size["accounting"])
+    if "levers" in size["runs"]:
+        print("  levers:")
+        print_accounting(size["levers_accounting"])
     print()
 
 
 def print_table(sizes: list[dict]) -> None:
     """Every shape in one table, then the worst and the best shape's speed-up (a headline quotes both)."""
+    levers = "levers_speedup" in sizes[0]["comparison"]
     print("| shape (hidden, layers, intermediate, vocab) | prompt tok | params | TRL s/step | engine s/step | speed "
-          "| peak RSS ratio | load before/after |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| peak RSS ratio | load before/after |" + (" levers s/step | levers speed | levers RSS ratio |" if levers else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|---|---|" if levers else ""))
     for z in sizes:
         a, c = z["assets"], z["comparison"]
+        levers = (f" {c['levers_s_per_step']:.2f} | **{c['levers_speedup']:.2f}x** | {c['levers_rss_ratio']:.2f}x |"
+                  if "levers_speedup" in c else "")
         print(f"| {z['hidden']}, {z['layers']}, {z['intermediate']}, {a['model_vocab']:,} | {z['prompt_length']} "
               f"| {a['params'] / 1e6:.1f}M "
               f"| {c['trl_s_per_step']:.2f} | {c['engine_s_per_step']:.2f} | **{c['speedup']:.2f}x** "
-              f"| **{c['rss_ratio']:.2f}x** | {z['load_before']:.2f} / {z['load_after']:.2f} |")
+              f"| **{c['rss_ratio']:.2f}x** | {z['load_before']:.2f} / {z['load_after']:.2f} |{levers}")
     print("\nThe arithmetic of each cell (bench/flops.py): the engine's phases as a fraction of the float32 matmul peak "
           "measured before the cell; generation also of the decode ceiling (its matmuls at this batch, weights from "
           "memory); TRL's step; TRL's FLOPs / the engine's (the speed-up at equal efficiency)\n")
@@ -441,6 +465,11 @@ def print_table(sizes: list[dict]) -> None:
         print(f"{name} cell: {z['hidden']}x{z['layers']}, intermediate {z['intermediate']}, vocab "
               f"{z['assets']['model_vocab']}, prompts {z['prompt_length']} tok: {z['comparison']['speedup']:.2f}x TRL steps/s, "
               f"{z['comparison']['rss_ratio']:.2f}x its peak RSS")
+    if levers:
+        worst = min(sizes, key=lambda z: z["comparison"]["levers_speedup"])
+        print(f"worst cell with the levers: {worst['hidden']}x{worst['layers']}, vocab {worst['assets']['model_vocab']}, "
+              f"prompts {worst['prompt_length']} tok: {worst['comparison']['levers_speedup']:.2f}x TRL steps/s, "
+              f"{worst['comparison']['levers_rss_ratio']:.2f}x its peak RSS")
 
 
 def trl_version(python: Path) -> str:
@@ -454,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         return trl_worker(args.trl_worker)
     sys.path.insert(0, str(REPO))
     engine_options(args.engine_option)  # a bad option stops here, before any tokenizer is trained
+    engine_options(args.lever_option, "--lever-option")
     import torch
     import transformers
 
@@ -482,18 +512,21 @@ def main(argv: list[str] | None = None) -> int:
             # Measured in this process (one thread, as each run has) just before the cell's runs.
             peak = flops.matmul_peak()
             ceiling = flops.decode_matmul_ceiling(flops.Shape(**assets["shape"]), args.batch)
-            runs: dict[str, list[dict]] = {side: [] for side in SIDES}
+            runs: dict[str, list[dict]] = {side: [] for side in sides(args)}
             for round_ in range(args.rounds):
-                for side in SIDES:
+                for side in sides(args):
                     work = root / f"{side}-{round_}"
                     work.mkdir()
-                    run = run_engine(args, assets, work) if side == "engine" else run_trl(args, assets, work)
+                    run = (run_trl(args, assets, work) if side == "trl"
+                           else run_engine(args, assets, work, levers=side == "levers"))
                     runs[side].append(run)
             size = {"hidden": hidden, "layers": layers, "intermediate": mult * hidden, "prompt_length": prompt_length,
                     "assets": assets, "runs": runs,
                     "load_before": load_before, "load_after": os.getloadavg()[0], "comparison": compare(runs),
                     "peak_flop_per_s": peak, "decode_ceiling_flop_per_s": ceiling}
             size["accounting"] = accounting(size, args)
+            if "levers" in runs:
+                size["levers_accounting"] = accounting(size, args, "levers")
         print_size(size, args)
         sizes.append(size)
     print_table(sizes)
