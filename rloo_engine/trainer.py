@@ -369,22 +369,6 @@ class RLOOTrainer(TrainerBookkeeping):
         self.window["loss"].append(loss.item())
         return loss
 
-    def _generator_weights(self, old, generator_logps, mask) -> torch.Tensor | None:
-        """Logs how far the generator's (vLLM's) log-probs are from pi_old, the trainer's; with
-        `vllm_importance_sampling_correction`, returns (and logs) the importance weights pi_old / pi_vllm."""
-        c = self.cfg
-        sampler = "vllm" if c.use_vllm else "bf16_decoding"  # generation_dtype: bfloat16 on the HF backend
-        for k, v in A.logprob_difference_stats(old, generator_logps, mask).items():
-            self.window[f"{sampler}/logprob_diff_{k}"].append(v.item())
-        if not c.vllm_importance_sampling_correction:
-            return None
-        weights = A.generator_importance_weights(old, generator_logps, mask, c.vllm_importance_sampling_mode,
-                                                 c.vllm_importance_sampling_clip_min,
-                                                 c.vllm_importance_sampling_clip_max)
-        for k, v in A.importance_weight_stats(weights, mask).items():
-            self.window[f"sampling/importance_sampling_ratio/{k}"].append(v.item())
-        return weights
-
     # ------------------------------------------------------------------ the loop
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainResult:
         """Trains to `total_steps`, holding the output_dir lock; an engine-created MLflow run that dies of an

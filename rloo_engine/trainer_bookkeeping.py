@@ -1,5 +1,6 @@
 """The trainer's bookkeeping around its loop (`trainer.py`): logging rows, evaluating, checkpoints and resuming,
-the callbacks' requests, and TRL's `save_model`. A mixin of RLOOTrainer, so `train()` there reads whole."""
+the callbacks' requests, the sampler-mismatch records (and importance weights), and TRL's `save_model`. A mixin of
+RLOOTrainer, so `train()` there reads whole."""
 
 from __future__ import annotations
 
@@ -96,6 +97,22 @@ class TrainerBookkeeping:
             return self.evaluation.run(self.global_step, generate, score, sequence_kl if c.beta > 0 else None)
         finally:
             self.policy.train()
+
+    def _generator_weights(self, old, generator_logps, mask) -> torch.Tensor | None:
+        """Logs how far the generator's (vLLM's) log-probs are from pi_old, the trainer's; with
+        `vllm_importance_sampling_correction`, returns (and logs) the importance weights pi_old / pi_vllm."""
+        c = self.cfg
+        sampler = "vllm" if c.use_vllm else "bf16_decoding"  # generation_dtype: bfloat16 on the HF backend
+        for k, v in A.logprob_difference_stats(old, generator_logps, mask).items():
+            self.window[f"{sampler}/logprob_diff_{k}"].append(v.item())
+        if not c.vllm_importance_sampling_correction:
+            return None
+        weights = A.generator_importance_weights(old, generator_logps, mask, c.vllm_importance_sampling_mode,
+                                                 c.vllm_importance_sampling_clip_min,
+                                                 c.vllm_importance_sampling_clip_max)
+        for k, v in A.importance_weight_stats(weights, mask).items():
+            self.window[f"sampling/importance_sampling_ratio/{k}"].append(v.item())
+        return weights
 
     def _epoch(self) -> float:  # passes over the prompt dataset so far, fractional, as logged (a stream: whole)
         position = self.sampler.state_dict()["position"] if self.dataset_size else 0

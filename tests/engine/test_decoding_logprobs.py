@@ -37,18 +37,26 @@ def test_decoding_log_probs_match_a_forward_pass_in_fp32(qwen2_model, temperatur
 def test_with_beta_the_trainer_runs_only_the_reference_forward(tmp_path, qwen2_model, monkeypatch):
     calls = []
     real = trainer_module.batched_token_logps
-    monkeypatch.setattr(trainer_module, "batched_token_logps", lambda model, *a: calls.append(model) or real(model, *a))
+    monkeypatch.setattr(trainer_module, "batched_token_logps",
+                        lambda model, *a, **k: calls.append(model) or real(model, *a, **k))
     for source in ("generation", "forward"):
         calls.clear()
         cfg = tiny_config(tmp_path / source, qwen2_model, beta=0.1, max_steps=2, learning_rate=3e-2,
                           sampling_logprobs=source)
         trainer = RLOOTrainer(cfg)
         trainer.train()
-        # per generation batch: the reference only, or the policy and then the reference
-        assert len(calls) == (2 if source == "generation" else 4), source
+        # per generation batch the reference only: pi_old is recorded while decoding, or (`forward`, a generation
+        # batch of one micro-batch) the training forward's own (test_kl_from_training_forward.py)
+        assert len(calls) == 2, source
     kl = {s: read_metrics(tmp_path / s / "out")[-1]["sequence_kl"] for s in ("generation", "forward")}
     assert abs(kl["forward"]) > 1e-3  # two updates at lr 3e-2 moved the policy: a KL worth comparing
     assert kl["generation"] == pytest.approx(kl["forward"], rel=1e-3)
+    # two micro-batches a generation batch: the second trains after an optimizer step, so pi_old needs its pass
+    calls.clear()
+    cfg = tiny_config(tmp_path / "two", qwen2_model, beta=0.1, max_steps=2, sampling_logprobs="forward",
+                      steps_per_generation=2, per_device_train_batch_size=4)
+    RLOOTrainer(cfg).train()
+    assert len(calls) == 2  # one generation batch: the policy, then the reference
 
 
 def test_auto_takes_the_forward_pass_in_mixed_precision(tmp_path, qwen2_model):
