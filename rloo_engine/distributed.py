@@ -7,6 +7,11 @@ variables. accelerate 1.15 has two traps on machines without CUDA, both handled 
   and `num_processes 1` even though DeepSpeed has formed a real gloo group.
 So under DeepSpeed without an accelerator we pass `backend="gloo"` explicitly, and we check that
 accelerate's view of the ranks matches torch.distributed before any work starts.
+
+FSDP2 (`fsdp_version: 2`) has a third: accelerate selects FSDP only for GPU-like backends, so on a machine without
+an accelerator an FSDP profile would run as plain DDP. There the engine selects it itself, with the plugin accelerate
+builds from the same profile, and everything after (`prepare`'s `fully_shard`, distributed checkpoints, the full
+state dict) is accelerate's own FSDP2 path, as on a GPU node.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import os
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, InitProcessGroupKwargs
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 
 from rloo_engine.config import RLOOConfig
 from rloo_engine.config_base import ConfigError
@@ -47,11 +53,11 @@ def end_process_group(after_error: bool = False) -> None:
 
 
 def requested_profile() -> str:
-    """What the launcher asked for, from accelerate's environment: `deepspeed-zero<N>`, `fsdp` or `ddp`."""
+    """What the launcher asked for, from accelerate's environment: `deepspeed-zero<N>`, `fsdp<version>` or `ddp`."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         return f"deepspeed-zero{os.environ.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '2')}"
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-        return "fsdp"
+        return f"fsdp{os.environ.get('FSDP_VERSION', '1')}"  # accelerate's own default version is 1
     return "ddp"
 
 
@@ -61,9 +67,21 @@ def build_accelerator(cfg: RLOOConfig) -> Accelerator:
     has_device = torch.accelerator.is_available()
     precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "no"
     kwargs = dict(gradient_accumulation_steps=cfg.gradient_accumulation_steps, mixed_precision=precision)
-    if profile == "fsdp":
-        raise LaunchError("launch profile: FSDP is not supported by rloo-engine; use a deepspeed_zero2/3 profile")
-    if profile.startswith("deepspeed"):
+    if profile.startswith("fsdp") and profile != "fsdp2":
+        raise LaunchError(f"launch profile {profile}: FSDP{profile[4:]} is not supported by rloo-engine; set "
+                          "fsdp_config.fsdp_version: 2 (deployments/accelerate/fsdp2.yaml) or use a deepspeed_zero2/3 "
+                          "profile")
+    if profile == "fsdp2" and cfg.use_vllm:
+        raise LaunchError("launch profile fsdp2: use_vllm is not supported under FSDP2 yet (the weight sync from "
+                          "FSDP2 shards is not built); use a deepspeed_zero3 or multi_gpu profile with vLLM")
+    if profile == "fsdp2" and not has_device and os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
+        raise LaunchError("launch profile fsdp2: fsdp_offload_params: true needs a GPU (torch's FSDP2 CPU offload "
+                          "stages through an accelerator: 'Cannot access accelerator device when none is available'); "
+                          "set it to false on a machine without one")
+    if profile == "fsdp2" and not has_device:
+        acc = Accelerator(**kwargs, cpu=True)  # a gloo group; accelerate itself would run it as MULTI_CPU (DDP)
+        select_fsdp2(acc)
+    elif profile.startswith("deepspeed"):
         try:
             import deepspeed  # noqa: F401
         except ImportError:
@@ -86,11 +104,27 @@ def build_accelerator(cfg: RLOOConfig) -> Accelerator:
     return acc
 
 
+def select_fsdp2(acc: Accelerator) -> None:
+    """Makes a CPU process group run accelerate's FSDP2 path: the plugin from the profile's FSDP_* variables (as
+    accelerate builds it on a GPU node) and the distributed type accelerate's own FSDP branch would set."""
+    if not torch.distributed.is_initialized():
+        raise LaunchError("launch profile fsdp2: no process group was formed; launch with `accelerate launch "
+                          "--config_file deployments/accelerate/fsdp2.yaml --num_processes N ...`")
+    plugin = FullyShardedDataParallelPlugin()
+    if acc.mixed_precision != "no":
+        plugin.set_mixed_precision(acc.mixed_precision)
+    acc.state.fsdp_plugin = plugin
+    acc.state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as AcceleratorState's init records it
+
+
 def check_launch(acc: Accelerator, profile: str) -> None:
     """Fails when accelerate's ranks disagree with torch.distributed, or when it runs another profile."""
-    if profile.startswith("deepspeed") and acc.distributed_type != DistributedType.DEEPSPEED:
+    expected = (DistributedType.DEEPSPEED if profile.startswith("deepspeed") else
+                DistributedType.FSDP if profile == "fsdp2" else None)
+    if expected is not None and acc.distributed_type != expected:
         raise LaunchError(f"launch profile {profile}: accelerate set up {acc.distributed_type.value} instead of "
-                          "DEEPSPEED; refusing to train under a different profile than the one launched")
+                          f"{expected.value}; refusing to train under a different profile than the one launched")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
         if (acc.num_processes, acc.process_index) != (world, rank):
@@ -105,6 +139,10 @@ def check_launch(acc: Accelerator, profile: str) -> None:
 
 def is_deepspeed(acc: Accelerator) -> bool:
     return acc.distributed_type == DistributedType.DEEPSPEED
+
+
+def is_fsdp2(acc: Accelerator) -> bool:
+    return acc.distributed_type == DistributedType.FSDP
 
 
 def zero_stage(acc: Accelerator) -> int:
@@ -153,9 +191,18 @@ def prepare_frozen_model(acc: Accelerator, model: torch.nn.Module) -> torch.nn.M
     as it loaded (zero.Init), and the engine gathers each layer's shards for its forward, so a frozen
     model that does not fit one GPU still works. Under ZeRO-2 (stage 0 inference) it is kept whole on
     each device, cast to the training precision, as TRL does. Elsewhere it is just moved to the device.
-    Every rank must call its forward the same number of times under ZeRO-3 (the gathers are collective).
+    Under FSDP2 it is sharded as the policy is (`fully_shard` per decoder layer, the profile's plugin), so it costs
+    each process 1/N of its weights, as under ZeRO-3, and each forward all-gathers a layer at a time; with the same
+    wrapping as the policy, a reference's shards line up with the policy's (see `gathered_for_update`).
+    Every rank must call its forward the same number of times under ZeRO-3 and FSDP2 (the gathers are collective).
     """
     model.requires_grad_(False)
+    if is_fsdp2(acc):
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        model = fsdp2_prepare_model(acc, model.to(acc.device))  # not registered with acc: checkpoints skip it
+        model.set_reshard_after_forward(True, recurse=False)  # the root too: no backward will need it unsharded
+        return model.eval()
     if not is_deepspeed(acc):
         return model.to(acc.device).eval()
     import deepspeed
@@ -185,7 +232,13 @@ def full_weights_for_generation(acc: Accelerator, model: torch.nn.Module):
     duration: left in place, they re-partition each layer after its forward, so every decoding step
     would all-gather again and ranks that stop generating at different lengths would deadlock.
     deepspeed is imported only on that path, so it stays an optional extra.
+
+    Under FSDP2 every sharded module is unsharded once (one all-gather each) and kept so while the context lasts:
+    its forwards then run on the full weights without a collective, and a module's own weight attributes are the
+    full tensors (the fused decoder reads them).
     """
+    if is_fsdp2(acc):
+        return _fsdp2_unsharded(acc, model)
     if zero_stage(acc) != 3:
         return contextlib.nullcontext()
     from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
@@ -194,12 +247,41 @@ def full_weights_for_generation(acc: Accelerator, model: torch.nn.Module):
 
 
 @contextlib.contextmanager
+def _fsdp2_unsharded(acc: Accelerator, model: torch.nn.Module):
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    model.set_reshard_after_forward(False)  # a forward would otherwise reshard its module, and the next re-gather
+    for module in sharded:
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in sharded:
+            module.reshard()
+        # Back to the profile's setting, and the root's own (FSDP2 keeps the root unsharded after forward, since
+        # backward needs it next).
+        model.set_reshard_after_forward(bool(acc.state.fsdp_plugin.reshard_after_forward))
+        model.set_reshard_after_forward(False, recurse=False)
+
+
+@contextlib.contextmanager
 def gathered_for_update(acc: Accelerator, source: torch.nn.Module, target: torch.nn.Module):
     """Context in which `target`'s full weights may be changed from `source`'s (reference sync); a no-op off ZeRO-3.
 
     Under ZeRO-3 both are gathered on every rank; each rank computes the same update, and rank 0's
-    result is re-partitioned into `target`'s shards on exit.
+    result is re-partitioned into `target`'s shards on exit. Under FSDP2 nothing is gathered: both models are
+    sharded by the same plan (`prepare_frozen_model`), so each rank's shard of a reference parameter holds the same
+    elements as its shard of the policy's, and the elementwise update runs on the shards.
     """
+    if is_fsdp2(acc):
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in [*source.modules(), *target.modules()]:
+            if isinstance(module, FSDPModule):
+                module.reshard()  # parameters() must be the shards (an unsharded root lists its full tensors)
+        yield
+        return
     if zero_stage(acc) != 3:
         yield
         return

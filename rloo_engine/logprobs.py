@@ -36,13 +36,19 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
                      "lm_head_multiplier", "output_multiplier")
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 def chunkable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     """The LM head of `model` (possibly DDP/DeepSpeed-wrapped) when the chunked path reproduces it, else None."""
     inner = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
     get_head = getattr(inner, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    if type(head) is not torch.nn.Linear or hasattr(head.weight, "ds_id"):  # ds_id: a ZeRO-3 partitioned weight
-        return None
+    if type(head) is not torch.nn.Linear or hasattr(head.weight, "ds_id") or _is_dtensor(head.weight):
+        return None  # ds_id: a ZeRO-3 partitioned weight; a DTensor: FSDP2's shard, whole only inside the model's forward
     config = getattr(inner, "config", None)
     # Composite configs (e.g. Gemma3n) keep the text model's fields in get_text_config().
     text_config = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else None
@@ -309,8 +315,8 @@ def probed_fast_paths(policy, vocab_size: int, autocast, half_precision: bool, c
 
     def chunked_difference() -> float | str:
         difference = chunked_head_difference(policy, autocast)
-        return ("its LM head is not a plain Linear the chunked path can run (LoRA on lm_head, ZeRO-3, a listed "
-                "logit transform)") if difference is None else difference
+        return ("its LM head is not a plain Linear the chunked path can run (LoRA on lm_head, ZeRO-3, FSDP2, "
+                "a listed logit transform)") if difference is None else difference
 
     chunked = chunked and fast_path_holds("chunked_logprobs", chunked_difference, tolerance,
                                           "using the full logits", say)

@@ -100,6 +100,18 @@ class RewardModelSource:
         self.share_prompts = share_prompts and fast_path_holds(
             "share_prompt_forward (reward model)", self._sharing_difference, tolerance, "scoring every row whole", say)
 
+    def place(self, model: torch.nn.Module, say=stderr) -> None:
+        """Scores with `model`, this source's model as the launch placed it. FSDP2 shards turn the shared-prompt path
+        off: it calls the model's parts (decoder, score head), and a sharded module is whole only inside its own
+        forward."""
+        from torch.distributed.tensor import DTensor
+
+        self.model = model
+        if self.share_prompts and any(isinstance(p, DTensor) for p in model.parameters()):
+            self.share_prompts = False
+            say("rloo-engine: share_prompt_forward (reward model): off under FSDP2 (the shared path runs the model's "
+                "parts, a sharded module is whole only inside its own forward); scoring every row whole")
+
     def text(self, prompt: str | list[dict], completion: str | list[dict]) -> str:
         """The string the reward model judges: prompt + completion, or the full chat with the reply."""
         if not is_conversational(prompt):
@@ -166,8 +178,8 @@ class RewardModelSource:
             return "the model has no prompt cache to share (an encoder, or another head)"
         return (shared.cpu() - torch.tensor(self._score_batch(rows))).abs().max().item()
 
-    @torch.inference_mode()
-    def _score_batch(self, ids: list[list[int]]) -> list[float]:
+    @torch.no_grad()  # not inference_mode: FSDP2 cannot reuse parameters it unsharded in it ("Inference tensors do
+    def _score_batch(self, ids: list[list[int]]) -> list[float]:  # not track version counter", seen at 1 process)
         # Padded on the right whatever the tokenizer's padding side: every real token then keeps the position it
         # has unpadded under the model's own numbering (0.. for decoders, after padding_idx for RoBERTa and
         # XLM-R), so no position ids are passed and each family numbers its own.

@@ -142,7 +142,7 @@ class RLOOTrainer(TrainerBookkeeping):
             self.ref = prepare_frozen_model(self.acc, self.ref)
         for source in self.reward_sources:
             if isinstance(source, RewardModelSource):
-                source.model = prepare_frozen_model(self.acc, source.model)
+                source.place(prepare_frozen_model(self.acc, source.model), self._say)
         self.chunked_logprobs, self.share_prompts = probed_fast_paths(
             self.policy, len(self.tokenizer), self.acc.autocast, is_half_precision(self.acc.mixed_precision, cfg.dtype),
             cfg.chunked_logprobs, cfg.share_prompt_forward and not self.router_aux.enabled, self._say)  # RouterAuxLoss

@@ -54,6 +54,9 @@ _AS_TRL_RLOO = "TRL's RLOOTrainer does not use it either"
 _HUB = "pushing to the Hugging Face Hub; register the model with the pipeline's MLflow stage, or upload `final/` yourself"
 _DATALOADER = "the prompt loader is a plain in-process iterator over a small prompt set, with no worker processes"
 
+# FSDP is chosen by the launch, as accelerate's own FSDP path is (not by a training argument, as transformers' Trainer).
+_FSDP_BY_PROFILE = ("FSDP2 comes from the launch profile: `accelerate launch --config_file deployments/accelerate/fsdp2.yaml "
+                    "...` (README, Running on GPUs)")
 TRL_FIELDS: dict[str, TrlField] = {
     # ------------------------------------------------------------ script arguments (`trl rloo`'s own)
     "dataset_name": _same("also a local .jsonl/.json/.parquet/.csv file or dataset directory"),
@@ -199,8 +202,8 @@ TRL_FIELDS: dict[str, TrlField] = {
     "ddp_static_graph": _refused("set by accelerate; give it in the accelerate config", None),
     "ddp_backend": _refused("chosen by accelerate (nccl on GPU, gloo on CPU); give it to `accelerate launch`", None),
     "ddp_timeout": _refused("the process-group timeout is accelerate's default, TRL's 1800 s", 1800),
-    "fsdp": _refused("FSDP is not built; use DeepSpeed ZeRO-2/3 (`deepspeed`, docs/distributed.md)", None),
-    "fsdp_config": _refused("FSDP is not built; use DeepSpeed ZeRO-2/3 (`deepspeed`, docs/distributed.md)", None),
+    "fsdp": _refused(_FSDP_BY_PROFILE, None),
+    "fsdp_config": _refused(_FSDP_BY_PROFILE, None),
     "deepspeed": _different("DeepSpeed runs through an accelerate launch profile: outside a DeepSpeed launch the flag is "
                             "refused with the exact `accelerate launch` command; under one the JSON's ZeRO stage must match "
                             "the profile's"),

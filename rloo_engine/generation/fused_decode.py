@@ -40,7 +40,8 @@ _CONFIG_FIELDS = (*sorted(PROCESSOR_KWARGS - {"logits_processor", "stopping_crit
 
 def unsupported_reason(model: Any, extra: dict[str, Any] | None, repetition_penalty: float) -> str | None:
     """Why `FusedDecoder` cannot stand in for `model.generate` here, or None when it can."""
-    name = type(model).__name__
+    # FSDP2 makes a module an instance of `FSDP<its class>`, a subclass; the architecture is the class it came from.
+    name = next((c.__name__ for c in type(model).__mro__ if c.__name__ in _ARCHITECTURES), type(model).__name__)
     if hasattr(model, "get_base_model"):
         return f"a PEFT model ({name}): the loop reads plain weights, not adapters"
     if name not in _ARCHITECTURES:

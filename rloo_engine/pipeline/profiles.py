@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rloo_engine.config_base import ConfigError
 
-ACCELERATE_PROFILES = ("cpu", "single_gpu", "multi_gpu", "deepspeed_zero2", "deepspeed_zero3")
+ACCELERATE_PROFILES = ("cpu", "single_gpu", "multi_gpu", "deepspeed_zero2", "deepspeed_zero3", "fsdp2")
 PROFILE_ENV = "RLOO_ACCELERATE_PROFILE"  # set per work pool / deployment as a job variable
 PROFILES_DIR = Path(__file__).resolve().parent / "accelerate_profiles"
 

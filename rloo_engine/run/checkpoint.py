@@ -4,7 +4,9 @@ Layout of `output_dir/checkpoint-N/`:
   config.json, model.safetensors, tokenizer files   -- loadable by AutoModelForCausalLM; under LoRA the
                        adapter in PEFT layout instead (adapter_config.json, adapter_model.safetensors),
                        loadable by PeftModel.from_pretrained(base, path), as `final/` (see `save_final`)
-  accelerate/          optimizer, scheduler, per-process RNG states (python, numpy, torch)
+  accelerate/          optimizer, scheduler, per-process RNG states (python, numpy, torch); under DeepSpeed its
+                       sharded model and optimizer state, under FSDP2 theirs as torch distributed checkpoints
+                       (pytorch_model_fsdp_0/, optimizer_0/: one .distcp file per process and a .metadata)
   trainer_state.json   step counters, data position, metric history tail
   rank{r}.pt           per-process state that differs between ranks (generation buffer)
 A checkpoint is written to `.tmp-checkpoint-N`, fsynced, then renamed, so a crash never leaves
@@ -67,8 +69,14 @@ def _numbered_dirs(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
+def state_layout(accelerator: Accelerator) -> str:
+    """How accelerate writes the training state: "deepspeed" and "fsdp" (sharded, weights included) or "ddp"."""
+    return {DistributedType.DEEPSPEED: "deepspeed", DistributedType.FSDP: "fsdp"}.get(accelerator.distributed_type,
+                                                                                      "ddp")
+
+
 def resolve_resume(resume_from_checkpoint: str | None, output_dir: str | Path, num_processes: int = 1,
-                   deepspeed: bool = False, report: bool = True) -> Path | None:
+                   layout: str = "ddp", report: bool = True) -> Path | None:
     """`latest` -> the newest checkpoint that validates, or None (fresh start); a path must validate.
 
     Each checkpoint `latest` passes over is named on stderr (by rank 0: `report`) with what is wrong with it.
@@ -77,7 +85,7 @@ def resolve_resume(resume_from_checkpoint: str | None, output_dir: str | Path, n
         return None
     if resume_from_checkpoint == "latest":
         for path in _numbered_dirs(output_dir):
-            problem = validate_checkpoint(path, num_processes, deepspeed)
+            problem = validate_checkpoint(path, num_processes, layout)
             if problem is None:
                 return path
             if report:
@@ -91,7 +99,7 @@ def resolve_resume(resume_from_checkpoint: str | None, output_dir: str | Path, n
             f"resume_from_checkpoint: {path} does not exist or is not a directory; expected 'latest' or a "
             "checkpoint-N directory"
         )
-    problem = validate_checkpoint(path, num_processes, deepspeed)
+    problem = validate_checkpoint(path, num_processes, layout)
     if problem is not None:
         raise ConfigError(
             f"resume_from_checkpoint: {path} cannot be resumed: {problem}; expected a complete checkpoint-N "
@@ -100,11 +108,11 @@ def resolve_resume(resume_from_checkpoint: str | None, output_dir: str | Path, n
     return path
 
 
-def validate_checkpoint(path: Path, num_processes: int, deepspeed: bool) -> str | None:
+def validate_checkpoint(path: Path, num_processes: int, layout: str) -> str | None:
     """What is wrong with `path` as a resume point for `num_processes` processes, or None if every file reads.
 
     Reads what a resume reads: the trainer state, the model weights' safetensors headers against the file
-    sizes, the optimizer (or DeepSpeed's shards), scheduler, every rank's RNG state and rank file.
+    sizes, the optimizer (or DeepSpeed's or FSDP2's shards), scheduler, every rank's RNG state and rank file.
     Every rank checks every rank's files, so all ranks reach the same verdict.
     """
     state = path / STATE_FILE
@@ -123,7 +131,12 @@ def validate_checkpoint(path: Path, num_processes: int, deepspeed: bool) -> str 
         if problem := _safetensors_problem(f):
             return f"{f.name} {problem}"
     acc = path / "accelerate"
-    if deepspeed:
+    if layout == "fsdp":
+        for name in ("pytorch_model_fsdp_0", "optimizer_0"):
+            if problem := _distcp_problem(acc / name):
+                return f"accelerate/{name} {problem}"
+        needed = []
+    elif layout == "deepspeed":
         shards = acc / "pytorch_model"
         for rank in range(num_processes):
             if not list(shards.glob(f"*zero_pp_rank_{rank}_*")):
@@ -140,6 +153,30 @@ def validate_checkpoint(path: Path, num_processes: int, deepspeed: bool) -> str 
             if f.name.startswith("rank") and not f.exists():
                 problem += f"; it was written by a run with fewer processes than this one ({num_processes})"
             return f"{rel} {problem}"
+    return None
+
+
+def _distcp_problem(root: Path) -> str | None:
+    """A torch distributed checkpoint: its `.metadata` (written last, by the coordinator) names every file it
+    placed tensors in; each must be there, at least as long as the last byte read from it."""
+    metadata = root / ".metadata"
+    if not metadata.is_file() or metadata.stat().st_size == 0:
+        return "has no .metadata (the distributed checkpoint did not finish)"
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(root)).read_metadata().storage_data
+    except (RuntimeError, EOFError, pickle.UnpicklingError, OSError, ValueError) as err:
+        return f"has an unreadable .metadata ({type(err).__name__}: {err})"
+    ends: dict[str, int] = {}
+    for info in storage.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        f = root / name
+        if not f.is_file():
+            return f"is missing {name}"
+        if f.stat().st_size < end:
+            return f"has {name} truncated ({f.stat().st_size} bytes, the metadata reads up to {end})"
     return None
 
 
@@ -205,9 +242,9 @@ def _space_problem(root: Path, step: int) -> str | None:
 def install_state_hooks(accelerator: Accelerator, model: torch.nn.Module) -> None:
     """Keep model weights out of the accelerate state: they are saved once, in HF format, beside it.
 
-    DeepSpeed shards weights with the optimizer, so there accelerate keeps saving them itself.
+    DeepSpeed and FSDP2 shard weights with the optimizer, so there accelerate keeps saving them itself.
     """
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+    if state_layout(accelerator) != "ddp":
         return
 
     def skip_weights(models, weights, output_dir):

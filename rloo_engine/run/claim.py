@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
 
 from rloo_engine.config import RLOOConfig
 from rloo_engine.run import checkpoint as ckpt
@@ -38,8 +37,8 @@ def start_point(cfg: RLOOConfig, acc: Accelerator, objects: dict | None = None, 
     run, and clears the previous outputs when `overwrite_output_dir` says so (`objects`: what RLOOTrainer was given
     as objects, as `config_snapshot` records them)."""
     resume = resume or cfg.resume_from_checkpoint
-    resume_path = ckpt.resolve_resume(resume, cfg.output_dir, acc.num_processes,
-                                      acc.distributed_type == DistributedType.DEEPSPEED, report=acc.is_main_process)
+    resume_path = ckpt.resolve_resume(resume, cfg.output_dir, acc.num_processes, ckpt.state_layout(acc),
+                                      report=acc.is_main_process)
     check_start(cfg, resume_path, acc.is_main_process, objects, resume)  # never overwrite or mix another run
     if cfg.overwrite_output_dir and acc.is_main_process:
         if removed := clear_previous_outputs(Path(cfg.output_dir)):

@@ -146,7 +146,7 @@ def test_a_refused_trl_option_names_the_reason_and_the_alternative():
     with pytest.raises(ConfigError) as err:
         cli.parse_train_args([*BASE, "--torch_compile", "--fsdp", "full_shard"])
     assert "torch_compile: True is not supported: models run eagerly here" in str(err.value)
-    assert "fsdp: 'full_shard' is not supported: FSDP is not built; use DeepSpeed ZeRO-2/3" in str(err.value)
+    assert "fsdp: 'full_shard' is not supported: FSDP2 comes from the launch profile" in str(err.value)
 
 
 def test_a_refused_trl_option_at_trls_default_asks_for_nothing_and_is_accepted(capsys):

@@ -32,14 +32,17 @@ def train_args(model: Path, rm: Path, data: Path, out: Path, *extra: str) -> lis
             "--disable_tqdm", *extra]
 
 
-def launch(profile: str | None, target: list[str], crash_at: int | None = None):
-    launcher = ["--config_file", str(PROFILES / f"{profile}.yaml")] if profile else [
+def launch(profile: str | Path | None, target: list[str], crash_at: int | None = None, env: dict | None = None,
+           processes: int = 2):
+    """`profile`: a shipped profile's name, an accelerate YAML's path, or None for plain DDP; `env`: more variables."""
+    config = profile if isinstance(profile, Path) else PROFILES / f"{profile}.yaml"
+    launcher = ["--config_file", str(config)] if profile else [
         "--multi_gpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    env = {"DS_ACCELERATOR": "cpu", **({"RLOO_ENGINE_CRASH_AT_STEP": str(crash_at)} if crash_at else {})}
+    env = {"DS_ACCELERATOR": "cpu", **({"RLOO_ENGINE_CRASH_AT_STEP": str(crash_at)} if crash_at else {}), **(env or {})}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return run([sys.executable, "-m", "accelerate.commands.launch", *launcher, "--num_processes", "2",
+        return run([sys.executable, "-m", "accelerate.commands.launch", *launcher, "--num_processes", str(processes),
                     "--main_process_port", "0", *target])  # 29500 may be taken by another launch
     finally:
         for k, v in old.items():

@@ -138,7 +138,7 @@ def test_shipped_example_config_and_prefect_yaml_are_valid():
     assert nightly["schedules"][0]["cron"] == "0 2 * * *"
 
 
-@pytest.mark.parametrize("profile", ["cpu", "single_gpu", "multi_gpu", "deepspeed_zero2", "deepspeed_zero3"])
+@pytest.mark.parametrize("profile", ["cpu", "single_gpu", "multi_gpu", "deepspeed_zero2", "deepspeed_zero3", "fsdp2"])
 def test_accelerate_profiles_load(profile):
     from accelerate.commands.config.config_args import load_config_from_file
 

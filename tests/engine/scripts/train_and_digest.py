@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from rloo_engine.cli import parse_train_args
 from rloo_engine.distributed import end_process_group
@@ -16,6 +17,8 @@ trainer.train()
 acc = trainer.acc
 digest = hashlib.sha256()
 for _, p in sorted(acc.unwrap_model(trainer.policy).named_parameters()):
+    if isinstance(p, DTensor):  # an FSDP2 shard: the whole parameter (collective, every rank in the same order)
+        p = p.full_tensor()
     digest.update(p.detach().cpu().float().numpy().tobytes())
 rank = acc.process_index
 out = Path(trainer.cfg.output_dir) / f"digest-rank{rank}.json"
