@@ -8,12 +8,15 @@
 #   train_single, train_zero3   4 RLOO steps (bf16; single_gpu, then deepspeed_zero3 on one process) with rewards
 #             that vary within groups; each step's grad_norm > 0, rewards not all tied, step-1 KL 0, weights changed
 #   throughput   bench/engine_throughput.py on CUDA
+#   train_fsdp2   the same 4 RLOO steps under deployments/accelerate/fsdp2.yaml (one process: fully_shard over one
+#             rank, the sharded save path and the unsharded generation), after throughput so it never starves it
 #   vllm      colocate and server mode, only where the image has vLLM (its CUDA wheel is far over the carry)
 #   vs_trl    `--vs-trl` only, a device call of its own: TRL's RLOOTrainer against the engine (bench/gpu_vs_trl.py)
 # Every part runs under `timeout -k`, the whole under BUDGET (270 s): with the device call's timeout_s=300, start-up
 # and two full runs fit a 900 s lease. Models, runs and full logs stay under $WORK (default /tmp/gpu_check); $OUT
-# gets at most 7 files (the device tool returns 8), whatever fails: setup.log, grad.log, train_single.log,
-# train_zero3.log, throughput.log, vllm.log (only with vLLM), vs_trl.log (only --vs-trl) and summary.json. The last
+# gets at most 8 files (the device tool returns 8), whatever fails: setup.log, grad.log, train_single.log,
+# train_zero3.log, throughput.log, train_fsdp2.log, vllm.log (only with vLLM) and summary.json; with --vs-trl only
+# vs_trl.log and summary.json. The last
 # line printed is summary.json: every part by name, with its exit, its checks, and "not_run" with why.
 #
 #   bash bench/gpu_check.sh          # on the GPU machine, through the device tool (command in bench/README.md)
@@ -40,7 +43,7 @@ cap() { local want=$1 l; l=$(left); [ "$want" -lt "$l" ] && echo "$want" || echo
 not_run() { status[$1]=not_run; why_not[$1]=$2; echo "== $1: not run ($2)"; }
 finish() {
   local args=()
-  for name in install imports model grad train_single train_zero3 throughput vllm vs_trl; do
+  for name in install imports model grad train_single train_zero3 throughput train_fsdp2 vllm vs_trl; do
     [ -n "${status[$name]:-}" ] && args+=("$name=${status[$name]}=${why_not[$name]:-}")
   done
   "$py" bench/gpu_check_summary.py "$mode" "$out" "$work" "$((SECONDS - start))" "${args[@]}" | tee "$out/summary.json"
@@ -169,6 +172,8 @@ if [ "$(left)" -gt 30 ]; then
 else
   not_run throughput "$(left) s of the budget left"
 fi
+
+train train_fsdp2 fsdp2 90
 
 # ---------------------------------------------------------------- vLLM (GPU, where the image has it)
 if [ "$mode" = cpu ]; then

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-TRAIN_PARTS = ("train_single", "train_zero3")
+TRAIN_PARTS = ("train_single", "train_zero3", "train_fsdp2")
 EXPECTED_STEPS = 4
 STEP1_KL_TOLERANCE = 1e-3
 
