@@ -18,7 +18,15 @@ import yaml
 from rloo_engine.run.checkpoint import validate_checkpoint
 from tests.engine.helpers import prompt_file, read_metrics
 from tests.engine.test_deepspeed import (  # noqa: F401  (ddp_run: the fixture, shared)
-    LORA, PROFILES, ddp_run, digest_script, engine, final_weights, launch, max_abs_diff, train_args,
+    LORA,
+    PROFILES,
+    ddp_run,
+    digest_script,
+    engine,
+    final_weights,
+    launch,
+    max_abs_diff,
+    train_args,
 )
 
 pytestmark = pytest.mark.slow
@@ -39,7 +47,7 @@ def straight_run(tmp_path_factory, qwen2_model, reward_model) -> Path:
     return out
 
 
-def test_fsdp2_ranks_are_real_shards_and_match_ddp(straight_run, ddp_run):
+def test_fsdp2_ranks_are_real_shards_and_match_ddp(straight_run, ddp_run):  # noqa: F811 (the fixture)
     ranks = [json.loads((straight_run / f"digest-rank{r}.json").read_text()) for r in (0, 1)]
     assert [(d["rank"], d["dist_rank"], d["num_processes"]) for d in ranks] == [(0, 0, 2), (1, 1, 2)]
     assert {d["distributed_type"] for d in ranks} == {"FSDP"}  # not silently run as MULTI_CPU (DDP)
