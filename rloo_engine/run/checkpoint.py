@@ -150,7 +150,7 @@ def validate_checkpoint(path: Path, num_processes: int, layout: str) -> str | No
     for f in needed:
         if problem := _torch_file_problem(f):
             rel = f.relative_to(path)
-            if f.name.startswith("rank") and not f.exists():
+            if f.name.startswith(("rank", "random_states_")) and not f.exists():  # a per-process file
                 problem += f"; it was written by a run with fewer processes than this one ({num_processes})"
             return f"{rel} {problem}"
     return None

@@ -146,10 +146,16 @@ def test_zero3_with_lora_merges_the_gathered_adapters(tmp_path, qwen2_model, rew
     out = tmp_path / "out"
     proc = launch("deepspeed_zero3", engine(*train_args(qwen2_model, reward_model, prompt_file(tmp_path), out, *LORA,
                                                          "--save_merged_model")))
+    assert_lora_run_merged(proc, out, qwen2_model)
+
+
+def assert_lora_run_merged(proc, out: Path, base_model: Path) -> None:
+    """A LoRA run on `LORA`'s modules with save_merged_model: adapters in its checkpoint and final/, and final-merged/
+    differing from the base in those modules' weights only."""
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (out / "checkpoint-2" / "adapter_model.safetensors").is_file()
     assert (out / "final" / "adapter_model.safetensors").is_file()
-    base, final = load_file(Path(qwen2_model) / "model.safetensors"), final_weights(out, "final-merged")
+    base, final = load_file(Path(base_model) / "model.safetensors"), final_weights(out, "final-merged")
     changed = {k for k in base if not torch.equal(base[k], final[k])}
     assert changed and all(("q_proj" in k or "v_proj" in k) and k.endswith("weight") for k in changed), changed
 
