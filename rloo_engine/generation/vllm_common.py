@@ -29,7 +29,10 @@ def prompt_token_ids(tokenizer, prompts: list[str], max_len: int | None, add_spe
 
 @contextmanager
 def vllm_weight_items(model: torch.nn.Module):
-    """The policy's weights as vLLM loads them: checkpoint names, a LoRA adapter merged in for the duration."""
+    """The policy's weights as vLLM loads them: checkpoint names, a LoRA adapter merged in for the duration.
+
+    Under FSDP2 the tensors are this rank's DTensor shards, with the full shape (the merge runs on the shards,
+    as DTensor ops); whoever reads them calls `full_tensor` on each as it goes (`one_at_a_time`)."""
     merged = hasattr(model, "merge_adapter")
     if merged:
         model.merge_adapter()
@@ -42,6 +45,19 @@ def vllm_weight_items(model: torch.nn.Module):
     finally:
         if merged:
             model.unmerge_adapter()
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of `tensor`: an FSDP2 shard (DTensor) is all-gathered, a collective every rank must make in the
+    same order; a plain tensor is itself."""
+    gather = getattr(tensor, "full_tensor", None)
+    return gather() if callable(gather) else tensor
+
+
+def one_at_a_time(items: list[tuple[str, torch.Tensor]]):
+    """`items` with each tensor made whole as it is reached: one full parameter at a time beyond the shards."""
+    for name, tensor in items:
+        yield name, full_tensor(tensor)
 
 
 def to_rollout(prompt_ids: list[list[int]], completions: list[list[int]], g: int, pad: int,

@@ -74,8 +74,10 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
 def alias_indices(tensors: list[torch.Tensor]) -> list[int]:
     """For each tensor, the index of the first one that is the same tensor (same storage, offset, shape, dtype)."""
     first: dict[tuple, int] = {}
-    return [first.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype), i)
-            for i, t in enumerate(tensors)]
+    # An FSDP2 shard (DTensor) is compared by its local shard: a tied weight's two names share it.
+    local = [t.to_local() if callable(getattr(t, "to_local", None)) else t for t in tensors]
+    return [first.setdefault((x.untyped_storage().data_ptr(), x.storage_offset(), tuple(t.shape), t.dtype), i)
+            for i, (t, x) in enumerate(zip(tensors, local))]
 
 
 # Why packed: a broadcast and a `load_weights` call per tensor cost ~1 ms each on loopback gloo whatever the
@@ -211,18 +213,31 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         return engine
 
     def send_weights(self) -> None:
-        items = list(self.source)
+        """Sends the source bucket by bucket, reading it in order as it goes: a sharded source (FSDP2) is gathered
+        one tensor at a time, so the sender holds one bucket of whole tensors at most. The source is trainer-side
+        `_ItemsSource` (its `same_as` finds a tied weight's second name without gathering it)."""
         if not self.is_sender:
+            for _ in self.source:
+                pass  # a sharded source's gathers are collective
             return
-        info = GlooWeightTransferUpdateInfo([n for n, _ in items], [str(t.dtype).split(".")[-1] for _, t in items],
-                                            [list(t.shape) for _, t in items], BUCKET_BYTES,
-                                            alias_indices([t for _, t in items]))
+        meta = self.source.metadata()
+        info = GlooWeightTransferUpdateInfo([m.name for m in meta], [str(m.dtype).split(".")[-1] for m in meta],
+                                            [list(m.shape) for m in meta], BUCKET_BYTES, self.source.same_as())
         self.client.start_weight_update()
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             future = pool.submit(self.client.update_weights, asdict(info))
+            tensors = (t for _, t in self.source)
+            read = -1
             for group in buckets(info.dtype_names, info.shapes, info.bucket_bytes, info.same_as):
-                _broadcast(self.group, torch.cat([items[i][1].detach().to("cpu").reshape(-1) for i in group]))
+                flat = []
+                for index in group:  # ascending; the repeats buckets() leaves out are read and dropped
+                    while read < index:
+                        tensor, read = next(tensors), read + 1
+                    flat.append(tensor.detach().to("cpu").reshape(-1))
+                _broadcast(self.group, torch.cat(flat))
+            for _ in tensors:
+                pass  # trailing repeats: a sharded source gathers them on every rank
             future.result()
         finally:
             # A failed broadcast leaves the HTTP call waiting on a dead peer: never join it here.

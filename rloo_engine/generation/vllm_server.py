@@ -28,24 +28,57 @@ import torch
 
 from rloo_engine.generation.base import Rollout, SamplingParams
 from rloo_engine.generation.vllm_client import Pending, VLLMServerClient, VLLMServerError
-from rloo_engine.generation.vllm_common import import_vllm, prompt_token_ids, to_rollout, vllm_weight_items
+from rloo_engine.generation.vllm_common import (
+    full_tensor,
+    import_vllm,
+    prompt_token_ids,
+    to_rollout,
+    vllm_weight_items,
+)
 
 __all__ = ["VLLMServerBackend", "VLLMServerError"]
 
 
 class _ItemsSource:
-    """A vLLM `WeightSource` over the (name, tensor) pairs of the current sync."""
+    """A vLLM `WeightSource` over the (name, tensor) pairs of the current sync.
+
+    An FSDP2 shard is made whole when iteration reaches it (`full_tensor`, a collective): rank 0 gathers as it
+    sends, and every other rank must make the same gathers in the same order (`finish_pass`)."""
 
     def __init__(self):
         self.items: list[tuple[str, torch.Tensor]] = []
+        self.gathered = 0  # how many of this pass's items are whole
+
+    @property
+    def sharded(self) -> bool:
+        return any(callable(getattr(t, "full_tensor", None)) for _, t in self.items)
 
     def metadata(self):
         from vllm.distributed.weight_transfer.base import ParamMeta
 
-        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.items]
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.items]  # a DTensor's shape is the full one
+
+    def same_as(self) -> list[int]:
+        from rloo_engine.generation.vllm_gloo_transfer import alias_indices
+
+        return alias_indices([t for _, t in self.items])
+
+    def begin(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        self.items, self.gathered = items, 0
 
     def __iter__(self):
-        return iter(self.items)
+        self.gathered = 0
+        for name, tensor in self.items:
+            whole = full_tensor(tensor)
+            self.gathered += 1
+            yield name, whole
+
+    def finish_pass(self) -> None:
+        """Makes the gathers this pass has not made yet: a rank that sends nothing, or a sender whose send failed
+        part way, so that the other ranks' gathers are not left waiting."""
+        for _, tensor in self.items[self.gathered:]:
+            full_tensor(tensor)
+        self.gathered = len(self.items)
 
 
 def _address_towards(host: str) -> str:
@@ -256,15 +289,18 @@ class VLLMServerBackend:
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
     def sync_weights(self, model: torch.nn.Module, step: int = 0) -> None:
-        # Every rank builds the items (a merge or a ZeRO gather is collective); only rank 0 sends them.
+        # Every rank builds the items (a merge or a ZeRO gather is collective); only rank 0 sends them. FSDP2
+        # shards are gathered one at a time as rank 0 sends them, the other ranks gathering alongside.
         with vllm_weight_items(model) as items:
-            self.source.items = items
+            self.source.begin(items)
             try:
                 if self.transfer == "ipc" and not self.acc.is_main_process:
                     self.engine.send_weights()  # this rank's share of the handle all-gather
+                elif self.source.sharded and not self.acc.is_main_process:
+                    self.source.finish_pass()
                 self._on_main(lambda: self._push(step))
             finally:
-                self.source.items = []
+                self.source.begin([])
 
     def _push(self, step: int) -> None:
         self.client.next_weight_version = str(step)
@@ -273,9 +309,11 @@ class VLLMServerBackend:
             # vLLM's finish_weight_update keeps the prefix cache: a prompt prefix cached before the sync (a system
             # prompt, the chat template, a second epoch) would be continued from KV of the old weights.
             self.client.reset_prefix_cache()
-        except VLLMServerError:
-            raise
-        except Exception as err:  # the group's peer died or timed out mid-transfer
+        except Exception as err:
+            self.source.finish_pass()  # FSDP2: the other ranks are still in this pass's gathers
+            if isinstance(err, VLLMServerError):
+                raise
+            # the group's peer died or timed out mid-transfer
             raise VLLMServerError(f"vLLM server {self.base_url}: weight sync failed: {type(err).__name__}: "
                                   f"{err}") from None
 

@@ -167,15 +167,3 @@ def test_cpu_offload_is_refused_by_name_on_a_machine_without_an_accelerator(tmp_
     proc = launch(offload, engine(*train_args(qwen2_model, reward_model, prompt_file(tmp_path), tmp_path / "out")))
     assert proc.returncode != 0
     assert "launch profile fsdp2: fsdp_offload_params: true needs a GPU" in proc.stderr, proc.stderr[-3000:]
-
-
-def test_vllm_under_fsdp2_is_refused_before_any_process_group(monkeypatch, qwen2_model, reward_model, tmp_path):
-    from rloo_engine.cli import parse_train_args
-    from rloo_engine.distributed import LaunchError, build_accelerator
-
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    monkeypatch.setenv("FSDP_VERSION", "2")
-    cfg = parse_train_args(train_args(qwen2_model, reward_model, prompt_file(tmp_path), tmp_path / "out",
-                                      "--use_vllm", "--vllm_mode", "colocate"))
-    with pytest.raises(LaunchError, match="launch profile fsdp2: use_vllm is not supported under FSDP2 yet"):
-        build_accelerator(cfg)

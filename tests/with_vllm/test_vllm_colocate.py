@@ -18,7 +18,7 @@ from rloo_engine.generation.base import SamplingParams
 from rloo_engine.generation.vllm_colocate import VLLMColocateBackend
 from rloo_engine.logprobs import batched_token_logps
 from rloo_engine.testing import tiny_models
-from tests.engine.helpers import repo_pythonpath
+from tests.engine.helpers import REPO, repo_pythonpath
 from tests.with_vllm.environment import AT_START, user_environment
 
 PROMPTS = ["the cat sat on", "a big red fox jumps over the"]
@@ -220,6 +220,39 @@ def test_two_training_processes_each_with_a_colocated_engine(vllm_policy, tmp_pa
     for r in rows:  # the max over both ranks
         assert r["vllm/logprob_diff_max"] < LOGPROB_TOLERANCE
     assert "Invalid process group specified" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_fsdp2_ranks_sync_their_engines_from_the_shards(vllm_policy, tmp_path, lora):
+    """The shipped fsdp2.yaml, 2 processes, an engine per rank: each parameter is gathered from its shards as
+    vLLM loads it (LoRA merged on the shards first). vLLM's log-probs of what it sampled equal the trainer's
+    forward of the same step's weights at every step, which stale or partial weights would not give."""
+    prompts = tiny_models.write_prompt_file(tmp_path / "prompts.jsonl")
+    out = tmp_path / "out"
+    env = user_environment(PYTHONPATH=repo_pythonpath(), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    # lora_dropout off: the log-probs compared are the training forward's, where an active dropout adds its noise
+    adapter = ["--use_peft", "true", "--lora_r", "4", "--lora_alpha", "64", "--disable_dropout", "true"] if lora else []
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(REPO / "deployments/accelerate/fsdp2.yaml"), "--num_processes", "2", "--main_process_port", "0",
+           "-m", "rloo_engine", "train", "--model_name_or_path", str(vllm_policy), "--dataset_name", str(prompts),
+           "--reward_funcs", "tests.engine.helpers:target_token_fraction", "--output_dir", str(out),
+           "--num_generations", "4", "--per_device_train_batch_size", "4", "--max_completion_length", "12",
+           "--max_prompt_length", "64", "--learning_rate", "5e-2", "--max_steps", "3", "--logging_steps", "1",
+           "--save_steps", "2", "--use_vllm", "true", "--disable_tqdm", "true", *adapter]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    state = out / "checkpoint-2" / "accelerate" / "pytorch_model_fsdp_0"  # the last step saves final/ only
+    assert sorted(p.name for p in state.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # it ran sharded
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:  # the max over both ranks
+        assert r["vllm/logprob_diff_max"] < LOGPROB_TOLERANCE
+    start = AutoModelForCausalLM.from_pretrained(vllm_policy).state_dict()
+    trained = AutoModelForCausalLM.from_pretrained(out / "final").state_dict() if not lora else None
+    if trained is not None:  # the weights moved far more than the tolerance: a stale engine would have shown
+        assert max((trained[k] - start[k]).abs().max().item() for k in start) > 1e-2
+    assert "Traceback" not in proc.stderr
 
 
 def test_a_tensor_parallel_size_that_does_not_divide_the_processes_is_refused(vllm_policy, tok):

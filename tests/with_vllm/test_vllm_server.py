@@ -19,7 +19,7 @@ from rloo_engine import exit_codes
 from rloo_engine.services import free_port
 from rloo_engine.testing import tiny_models
 from rloo_engine.testing.vllm_server import Server
-from tests.engine.helpers import read_metrics, repo_pythonpath
+from tests.engine.helpers import REPO, read_metrics, repo_pythonpath
 from tests.with_vllm.environment import user_environment
 
 PROBE = "the cat sat on the mat and the dog ran"
@@ -122,6 +122,26 @@ def test_two_training_processes_equal_one(server, vllm_policy, tmp_path):
     # measured 1.4e-4, against 2 steps that move weights by up to 6e-2
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-3
     assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-2
+
+
+def test_fsdp2_processes_send_the_server_the_gathered_shards_with_lora_merged(server, vllm_policy, tmp_path):
+    """The shipped fsdp2.yaml, 2 processes: rank 0 gathers one parameter at a time as it sends (the other rank
+    gathering alongside), the adapter merged on the shards; the server then serves the merged final model."""
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              str(REPO / "deployments/accelerate/fsdp2.yaml"), "--num_processes", "2", "--main_process_port", "0",
+              "-m", "rloo_engine"]
+    out = tmp_path / "fsdp2"
+    cmd = train_command(vllm_policy, out, server.url, "--max_steps", "2", "--per_device_train_batch_size", "4",
+                        "--use_peft", "true", "--lora_r", "4", "--lora_alpha", "64", "--learning_rate", "5e-2",
+                        "--save_merged_model", "--save_steps", "1", "--disable_dropout", "true")
+    proc = run(launch + cmd[3:])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (out / "checkpoint-1" / "accelerate" / "pytorch_model_fsdp_0" / "__1_0.distcp").is_file()  # sharded
+    assert server.get("/weight_info")["weight_version"] == "2"
+    ids = AutoTokenizer.from_pretrained(vllm_policy)(PROBE, add_special_tokens=False)["input_ids"]
+    assert max_gap(server.prompt_logprobs(ids), hf_prompt_logprobs(out / "final-merged", ids)) < 1e-4
+    assert max_gap(server.prompt_logprobs(ids), hf_prompt_logprobs(vllm_policy, ids)) > 1e-3
+    assert all(r["vllm/logprob_diff_max"] < 1e-4 for r in read_metrics(out))
 
 
 def final_weights(out):
