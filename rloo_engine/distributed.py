@@ -181,6 +181,14 @@ def fill_deepspeed_config(acc: Accelerator, cfg: RLOOConfig) -> None:
         ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
 
 
+def loads_weights(acc: Accelerator) -> bool:
+    """Whether this process reads model weights from their checkpoints. Not under FSDP2 with the profile's
+    `fsdp_cpu_ram_efficient_loading` on a process other than the main one: accelerate sends it its shards from the
+    main process's copy as it shards each model (`fsdp2_prepare_model`), so it builds them empty
+    (`models.empty_model`)."""
+    return not (is_fsdp2(acc) and acc.state.fsdp_plugin.cpu_ram_efficient_loading and not acc.is_main_process)
+
+
 def prepare_frozen_model(acc: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
     """A no-grad model (reference or reward) placed for this launch; returns the module to call.
 
@@ -197,7 +205,9 @@ def prepare_frozen_model(acc: Accelerator, model: torch.nn.Module) -> torch.nn.M
     if is_fsdp2(acc):
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
-        model = fsdp2_prepare_model(acc, model.to(acc.device))  # not registered with acc: checkpoints skip it
+        if not any(p.is_meta for p in model.parameters()):  # an empty model gets its shards here
+            model = model.to(acc.device)
+        model = fsdp2_prepare_model(acc, model)  # not registered with acc: checkpoints skip it
         model.set_reshard_after_forward(True, recurse=False)  # the root too: no backward will need it unsharded
         return model.eval()
     if not is_deepspeed(acc):

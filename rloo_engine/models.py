@@ -83,14 +83,42 @@ def eos_token_ids(tokenizer, model_path: str | None, revision: str | None = None
     return list(dict.fromkeys(i for i in ids if i is not None))
 
 
-def load_causal_lm(path: str, cfg: RLOOConfig, field: str = "model_name_or_path") -> PreTrainedModel:
+def load_causal_lm(path: str, cfg: RLOOConfig, field: str = "model_name_or_path",
+                   weights: bool = True) -> PreTrainedModel:
+    """`weights=False`: the model without reading its weights (`empty_model`), for a process that is sent them."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **model_init_kwargs(cfg))
+        if weights or cfg.load_in_4bit or cfg.load_in_8bit:  # quantised weights are made as they load
+            model = AutoModelForCausalLM.from_pretrained(path, **model_init_kwargs(cfg))
+        else:
+            model = empty_model(AutoModelForCausalLM, path, DTYPES[cfg.dtype], cfg.trust_remote_code,
+                                cfg.model_revision, cfg.attn_implementation)
     except (OSError, ValueError) as err:
         hint = "" if Path(path).exists() or "/" in path else " (not a local directory either)"
         if not Path(path).exists() and cfg.model_revision != "main":
             hint += f" at model_revision {cfg.model_revision!r}"
         raise ConfigError(f"{field}: cannot load a causal LM from {path!r}{hint}: {err}") from None
+    return model
+
+
+def empty_model(auto_class, path: str, dtype: torch.dtype | str, trust_remote_code: bool = False,
+                revision: str | None = None, attn_implementation: str | None = None) -> PreTrainedModel:
+    """`auto_class`'s model of `path` with its parameters on the meta device and its buffers real (rotary tables are
+    computed, not loaded): FSDP2's `fsdp_cpu_ram_efficient_loading`, where only the main process reads the weights
+    and accelerate sends each process its shards (`fsdp2_prepare_model`). transformers 5.2x reads them on every rank
+    even then, so every process held each model whole before it was sharded."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    hub = {"revision": revision, "trust_remote_code": trust_remote_code}
+    config = AutoConfig.from_pretrained(path, **hub)
+    if dtype == "auto":
+        dtype = getattr(config, "dtype", None) or torch.float32
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    with init_empty_weights(include_buffers=False):
+        model = auto_class.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code, **extra)
+    model.tie_weights()  # from_pretrained ties them as it loads; from_config leaves a tied head a parameter of its own
+    with contextlib.suppress(OSError):
+        model.generation_config = GenerationConfig.from_pretrained(path, revision=revision)
     return model
 
 
@@ -121,10 +149,12 @@ def has_active_dropout(model: torch.nn.Module) -> bool:
     return any(rate > 0 for rate in rates(config.to_dict() if config is not None else {}))
 
 
-def load_policy(cfg: RLOOConfig, given: torch.nn.Module | None = None, peft_config: Any = None) -> PreTrainedModel:
+def load_policy(cfg: RLOOConfig, given: torch.nn.Module | None = None, peft_config: Any = None,
+                weights: bool = True) -> PreTrainedModel:
     """The trainable policy; a peft model with only LoRA weights trainable when `use_peft`. `given`: the model object
-    of `RLOOTrainer(model=...)` (prepared in place; a PeftModel keeps its adapters), `peft_config` its `peft_config`."""
-    model = given if given is not None else load_causal_lm(cfg.model_name_or_path, cfg)
+    of `RLOOTrainer(model=...)` (prepared in place; a PeftModel keeps its adapters), `peft_config` its `peft_config`.
+    `weights=False`: without reading the checkpoint (`empty_model`; LoRA weights too come from the main process)."""
+    model = given if given is not None else load_causal_lm(cfg.model_name_or_path, cfg, weights=weights)
     if cfg.use_liger_kernel:
         apply_liger_kernels(model)
     if cfg.gradient_checkpointing:
@@ -176,12 +206,14 @@ def apply_liger_kernels(model: torch.nn.Module) -> None:
     apply_liger_kernel(model, {"fused_linear_cross_entropy": False})
 
 
-def load_reference(cfg: RLOOConfig, given: torch.nn.Module | None = None) -> PreTrainedModel | None:
+def load_reference(cfg: RLOOConfig, given: torch.nn.Module | None = None,
+                   weights: bool = True) -> PreTrainedModel | None:
     """A separate frozen copy of the initial policy; None when beta == 0 or with LoRA (adapters off instead).
-    `given`: that copy already made of a model object (`trainer_inputs.py`), frozen here."""
+    `given`: that copy already made of a model object (`trainer_inputs.py`), frozen here. `weights`: as in
+    `load_policy`."""
     if not cfg.has_reference_model or cfg.use_peft:
         return None
-    ref = given if given is not None else load_causal_lm(cfg.model_name_or_path, cfg)
+    ref = given if given is not None else load_causal_lm(cfg.model_name_or_path, cfg, weights=weights)
     if cfg.use_liger_kernel:
         apply_liger_kernels(ref)
     if cfg.disable_dropout:

@@ -54,7 +54,9 @@ def build_optimizer(cfg: RLOOConfig, params: list[torch.nn.Parameter] | list[dic
     if cfg.optim == "adamw_torch_fused":
         tensors = [t for group in params for t in group["params"]] if params and isinstance(params[0], dict) \
             else params
-        devices = {p.device.type for p in tensors}
+        # An empty model's parameters (`models.empty_model`, on the meta device) are given the main process's
+        # weights on the launch's device: each process must choose the same kernel.
+        devices = {p.device.type for p in tensors} - {"meta"}
         fused = devices <= _FUSED_ADAMW_DEVICES or None
         if fused is None:
             say(f"optim: adamw_torch_fused has no fused kernel for parameters on {sorted(devices)}; using "

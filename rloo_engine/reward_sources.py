@@ -20,7 +20,7 @@ from rloo_engine.config_base import ConfigError
 from rloo_engine.data import completion_text, is_conversational
 from rloo_engine.fast_path import FLOAT32_TOLERANCE, HALF_PRECISION_TOLERANCE, fast_path_holds, stderr
 from rloo_engine.import_paths import load_callable
-from rloo_engine.models import DTYPES
+from rloo_engine.models import DTYPES, empty_model
 from rloo_engine.prompt_sharing import common_prefix_length, shared_prefix_scores
 
 
@@ -70,9 +70,11 @@ class RewardModelSource:
         trust_remote_code: bool = False,
         model: torch.nn.Module | None = None,
         tokenizer: Any = None,
+        weights: bool = True,
     ):
         """`model`/`tokenizer`: objects given to `RLOOTrainer(reward_funcs=..., reward_processing_classes=...)`,
-        used instead of loading `path_or_id` (then only their label)."""
+        used instead of loading `path_or_id` (then only their label). `weights=False`: the model without its
+        weights (`models.empty_model`), sent them when the launch shards it; nothing is probed until then."""
         code = {"trust_remote_code": trust_remote_code}  # `trust_remote_code` of the run, as TRL applies it here too
         num_labels = model.config.num_labels if model is not None else _load_or_raise(
             path_or_id, lambda: AutoConfig.from_pretrained(path_or_id, **code)).num_labels
@@ -89,10 +91,16 @@ class RewardModelSource:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         # Left truncation keeps the end of the completion, which is where the score is read.
         self.tokenizer.truncation_side = "left"
+        empty = not weights and model is None
+        load = (lambda path, **kwargs: empty_model(AutoModelForSequenceClassification, path, **kwargs)) if empty \
+            else AutoModelForSequenceClassification.from_pretrained
         self.model = model if model is not None else _load_or_raise(
-            path_or_id, lambda: AutoModelForSequenceClassification.from_pretrained(path_or_id, dtype=dtype, **code)
+            path_or_id, lambda: load(path_or_id, dtype=dtype, **code)
         )
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        if empty:
+            self.share_prompts = False  # its probe needs weights; FSDP2, the one launch without them, turns it off
+            return
         self.model.to(self.device).eval()
         # A decoder reward model scores a group's common prompt tokens once (prompt_sharing.py), where it can
         # be checked to give the whole rows' scores; encoders (RoBERTa) and other heads score rows whole.
@@ -456,13 +464,15 @@ class EmptySourceWatch:
 
 
 def build_reward_sources(cfg: RLOOConfig, device: str | torch.device, say=stderr, given: list | None = None,
-                         tokenizers: list | None = None) -> list[RewardSource]:
+                         tokenizers: list | None = None, weights: bool = True) -> list[RewardSource]:
     """The reward model first (if configured), then each of `reward_funcs`, matching `reward_weights`. `given`:
     `RLOOTrainer(reward_funcs=...)`'s list instead of `reward_funcs`, as TRL takes it: `module:function` paths,
-    reward model ids or directories, sequence-classifier objects (scored with `tokenizers[i]`), callables."""
+    reward model ids or directories, sequence-classifier objects (scored with `tokenizers[i]`), callables.
+    `weights=False`: reward models loaded from a path come without their weights (`RewardModelSource`)."""
     def reward_model(path: str, model: Any = None, tokenizer: Any = None) -> RewardModelSource:
         return RewardModelSource(path, device=device, dtype=DTYPES[cfg.dtype], share_prompts=cfg.share_prompt_forward,
-                                 say=say, trust_remote_code=cfg.trust_remote_code, model=model, tokenizer=tokenizer)
+                                 say=say, trust_remote_code=cfg.trust_remote_code, model=model, tokenizer=tokenizer,
+                                 weights=weights)
 
     sources: list[RewardSource] = []
     if cfg.reward_model_name_or_path:

@@ -28,6 +28,7 @@ from rloo_engine.distributed import (
     full_weights_for_generation,
     gathered_for_update,
     global_grad_norm,
+    loads_weights,
     prepare_frozen_model,
     weights_for_sync,
 )
@@ -120,16 +121,17 @@ class RLOOTrainer(TrainerBookkeeping):
             print(f"rloo-engine: max_prompt_length {cfg.max_prompt_length or 'unlimited'} + max_completion_length "
                   f"{cfg.max_completion_length} exceeds the model's {self.position_limit} positions; prompts keep "
                   f"their last {self.prompt_budget} tokens", file=sys.stderr)
+        weights = loads_weights(self.acc)  # not on every process under FSDP2's cpu_ram_efficient_loading
         self.reward_sources = build_reward_sources(cfg, self.acc.device, self._say, self.inputs.reward_funcs,
-                                                   self.inputs.reward_tokenizers)
+                                                   self.inputs.reward_tokenizers, weights)
         self.reward_watch = EmptySourceWatch(self.reward_sources, cfg.reward_source_max_empty_steps)
-        self.policy = load_policy(cfg, given, self.inputs.peft_config)
+        self.policy = load_policy(cfg, given, self.inputs.peft_config, weights)
         # A generation batch that is one micro-batch is trained on at the weights its pi_old forward would run at:
         # the KL then comes from the training forward's own log-probs, detached, and that no-grad pass is skipped
         # (without dropout, the training forward computes what the eval-mode pass would).
         self.kl_from_training_forward = (self.steps_per_generation * cfg.num_iterations == 1
                                           and not has_active_dropout(self.policy))
-        self.ref = load_reference(cfg, self.inputs.reference)
+        self.ref = load_reference(cfg, self.inputs.reference, weights)
         self.router_aux = RouterAuxLoss(self.policy, cfg.router_aux_loss_coef)  # MoE load balancing, as TRL
         self.optimizer = build_optimizer(cfg, parameter_groups(self.policy, cfg.weight_decay), self._say)
         self.total_steps = cfg.total_steps_for(self.dataset_size or 1, self.acc.num_processes)  # a stream: max_steps

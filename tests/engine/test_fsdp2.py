@@ -167,3 +167,33 @@ def test_cpu_offload_is_refused_by_name_on_a_machine_without_an_accelerator(tmp_
     proc = launch(offload, engine(*train_args(qwen2_model, reward_model, prompt_file(tmp_path), tmp_path / "out")))
     assert proc.returncode != 0
     assert "launch profile fsdp2: fsdp_offload_params: true needs a GPU" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_process_sent_its_weights_builds_its_models_without_reading_them(tmp_path, qwen2_model, reward_model):
+    """fsdp2.yaml's `fsdp_cpu_ram_efficient_loading`: every process but the main one builds the policy, reference and
+    reward model empty (`distributed.loads_weights`) and is sent its shards as each is sharded. Shown here on copies
+    of the checkpoints without their weight files: nothing is read, the parameters are on the meta device, and what
+    is not sent (tied head, rotary tables, generation config) is as `from_pretrained` makes it."""
+    from transformers import AutoModelForCausalLM
+
+    from rloo_engine.cli import parse_train_args
+    from rloo_engine.models import load_policy, load_reference
+    from rloo_engine.reward_sources import RewardModelSource, build_reward_sources
+
+    copies = []
+    for source in (qwen2_model, reward_model):
+        copy = tmp_path / source.name
+        shutil.copytree(source, copy, ignore=shutil.ignore_patterns("*.safetensors"))
+        copies.append(copy)
+    cfg = parse_train_args(train_args(*copies, prompt_file(tmp_path), tmp_path / "out"))
+    policy, ref = load_policy(cfg, weights=False), load_reference(cfg, weights=False)
+    (scorer,) = build_reward_sources(cfg, "cpu", weights=False)
+    assert isinstance(scorer, RewardModelSource)
+    for model in (policy, ref, scorer.model):
+        assert all(p.is_meta for p in model.parameters())
+    loaded = AutoModelForCausalLM.from_pretrained(qwen2_model)
+    assert policy.lm_head.weight is policy.model.embed_tokens.weight  # tied, so FSDP2 maps one parameter
+    assert torch.equal(policy.model.rotary_emb.inv_freq, loaded.model.rotary_emb.inv_freq)  # not meta: not sent
+    assert policy.generation_config.eos_token_id == loaded.generation_config.eos_token_id
+    lora = parse_train_args(train_args(*copies, prompt_file(tmp_path), tmp_path / "out", *LORA))
+    assert all(p.is_meta for p in load_policy(lora, weights=False).parameters())  # adapters come from rank 0 too
