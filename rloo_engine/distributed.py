@@ -208,7 +208,9 @@ def prepare_frozen_model(acc: Accelerator, model: torch.nn.Module) -> torch.nn.M
         if not any(p.is_meta for p in model.parameters()):  # an empty model gets its shards here
             model = model.to(acc.device)
         model = fsdp2_prepare_model(acc, model)  # not registered with acc: checkpoints skip it
-        model.set_reshard_after_forward(True, recurse=False)  # the root too: no backward will need it unsharded
+        # Every group, the root and accelerate's tail group (final norm and head) too, which it keeps unsharded
+        # after forward for the backward that follows; a frozen model has none, so they would stay whole.
+        model.set_reshard_after_forward(True)
         return model.eval()
     if not is_deepspeed(acc):
         return model.to(acc.device).eval()

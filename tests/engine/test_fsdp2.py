@@ -53,6 +53,10 @@ def test_fsdp2_ranks_are_real_shards_and_match_ddp(straight_run, ddp_run):  # no
     assert [(d["rank"], d["dist_rank"], d["num_processes"]) for d in ranks] == [(0, 0, 2), (1, 1, 2)]
     assert {d["distributed_type"] for d in ranks} == {"FSDP"}  # not silently run as MULTI_CPU (DDP)
     assert ranks[0]["digest"] == ranks[1]["digest"]  # the gathered parameters are one model
+    for d in ranks:  # reference and reward model: each rank holds its half after their last forward, nothing whole
+        assert len(d["frozen_held"]) == 2
+        for held, total in zip(d["frozen_held"], d["frozen_total"]):
+            assert held <= 0.51 * total, (held, total)
     rows = read_metrics(straight_run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["grad_norm"] > 0 for r in rows)
     assert abs(rows[0]["kl"]) < 1e-6  # policy == reference at step 1

@@ -21,12 +21,21 @@ for _, p in sorted(acc.unwrap_model(trainer.policy).named_parameters()):
         p = p.full_tensor()
     digest.update(p.detach().cpu().float().numpy().tobytes())
 rank = acc.process_index
+
+
+def held(model) -> int:
+    """Elements of `model` this rank holds at the end: a shard's local part, a whole tensor's all."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+
+
+frozen = [m for m in [trainer.ref, *(getattr(s, "model", None) for s in trainer.reward_sources)] if m is not None]
 out = Path(trainer.cfg.output_dir) / f"digest-rank{rank}.json"
 out.write_text(json.dumps({
     "rank": rank, "num_processes": acc.num_processes, "is_main_process": acc.is_main_process,
     "distributed_type": acc.distributed_type.value,
     "dist_rank": torch.distributed.get_rank() if torch.distributed.is_initialized() else None,
     "dist_world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else None,
+    "frozen_held": [held(m) for m in frozen], "frozen_total": [sum(p.numel() for p in m.parameters()) for m in frozen],
     "digest": digest.hexdigest(), "step": trainer.global_step, "prompts_seen": trainer.sampler.state_dict(),
 }))
 del trainer, acc  # the DDP model holds the group: it must go before the group does, not at teardown
