@@ -7,9 +7,9 @@ Each profile runs `rloo-engine`'s trainer for `--steps` steps (policy, a frozen 
 under `accelerate launch --num_processes 2` with the shipped profile (plain `--multi_gpu` for DDP). Each rank reports:
 - the bytes it holds of the policy's parameters, the optimizer's master copies and states, and of the reference's
   and reward model's parameters, counted from the tensors themselves (a shard counts its local part), at the end;
-- its peak RSS (`ru_maxrss`) and its RSS at the end. The peak includes loading: every rank loads each model whole
-  before it is sharded (the engine's `from_pretrained`), so on CPU the peak is not where sharding pays; the held
-  bytes and the end RSS are.
+- its peak RSS (`ru_maxrss`) and its RSS at the end. The peak includes loading: under DDP and ZeRO-3 every rank
+  loads each model whole; under FSDP2 (`fsdp_cpu_ram_efficient_loading`) only rank 0 does, the others being sent
+  their shards. So on CPU the peak is not where sharding pays; the held bytes and the end RSS are.
 """
 
 from __future__ import annotations
