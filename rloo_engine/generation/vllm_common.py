@@ -60,6 +60,15 @@ def one_at_a_time(items: list[tuple[str, torch.Tensor]]):
         yield name, full_tensor(tensor)
 
 
+def alias_indices(tensors: list[torch.Tensor]) -> list[int]:
+    """For each tensor, the index of the first one that is the same tensor (same storage, offset, shape, dtype)."""
+    first: dict[tuple, int] = {}
+    # An FSDP2 shard (DTensor) is compared by its local shard: a tied weight's two names share it.
+    local = [t.to_local() if callable(getattr(t, "to_local", None)) else t for t in tensors]
+    return [first.setdefault((x.untyped_storage().data_ptr(), x.storage_offset(), tuple(t.shape), t.dtype), i)
+            for i, (t, x) in enumerate(zip(tensors, local))]
+
+
 def to_rollout(prompt_ids: list[list[int]], completions: list[list[int]], g: int, pad: int,
                 eos: list[int], logps: list[list[float]] | None = None) -> Rollout:
     """Left-pads prompts, right-pads completions, repeats each prompt G times. Output as in `Rollout`.

@@ -71,15 +71,6 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     same_as: list[int] = field(default_factory=list)
 
 
-def alias_indices(tensors: list[torch.Tensor]) -> list[int]:
-    """For each tensor, the index of the first one that is the same tensor (same storage, offset, shape, dtype)."""
-    first: dict[tuple, int] = {}
-    # An FSDP2 shard (DTensor) is compared by its local shard: a tied weight's two names share it.
-    local = [t.to_local() if callable(getattr(t, "to_local", None)) else t for t in tensors]
-    return [first.setdefault((x.untyped_storage().data_ptr(), x.storage_offset(), tuple(t.shape), t.dtype), i)
-            for i, (t, x) in enumerate(zip(tensors, local))]
-
-
 # Why packed: a broadcast and a `load_weights` call per tensor cost ~1 ms each on loopback gloo whatever the
 # tensor's size, which for a small policy is most of a sync. A bucket bounds the extra copy of the weights.
 BUCKET_BYTES = 64 * 2**20

@@ -29,6 +29,7 @@ import torch
 from rloo_engine.generation.base import Rollout, SamplingParams
 from rloo_engine.generation.vllm_client import Pending, VLLMServerClient, VLLMServerError
 from rloo_engine.generation.vllm_common import (
+    alias_indices,
     full_tensor,
     import_vllm,
     prompt_token_ids,
@@ -59,8 +60,6 @@ class _ItemsSource:
         return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.items]  # a DTensor's shape is the full one
 
     def same_as(self) -> list[int]:
-        from rloo_engine.generation.vllm_gloo_transfer import alias_indices
-
         return alias_indices([t for _, t in self.items])
 
     def begin(self, items: list[tuple[str, torch.Tensor]]) -> None:

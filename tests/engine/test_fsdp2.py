@@ -8,7 +8,10 @@ checkpoints. The plain DDP run of test_deepspeed.py (same config and seed) is th
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -201,3 +204,23 @@ def test_a_process_sent_its_weights_builds_its_models_without_reading_them(tmp_p
     assert policy.generation_config.eos_token_id == loaded.generation_config.eos_token_id
     lora = parse_train_args(train_args(*copies, prompt_file(tmp_path), tmp_path / "out", *LORA))
     assert all(p.is_meta for p in load_policy(lora, weights=False).parameters())  # adapters come from rank 0 too
+
+
+def test_a_sender_that_fails_part_way_through_a_sharded_pass_leaves_no_rank_waiting(tmp_path):
+    """Server mode under FSDP2: rank 0 gathers each parameter as it sends it, the other ranks alongside. A send that
+    fails part way makes the rest of the pass's gathers (`finish_pass`), so the run can fail on every rank instead
+    of hanging; the next pass is whole."""
+    from rloo_engine.services import free_port
+    from tests.engine.helpers import REPO, repo_pythonpath
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(REPO / "tests/engine/scripts/sharded_weight_pass.py"), str(tmp_path)],
+                          env={**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert first["sharded"] and second["sharded"]
+    assert first["gathered_before_finish"] == 3 and second["gathered_before_finish"] == 0
+    assert first["max_diff"] == 0.0  # the shards gathered one at a time are the model
+    tied = [first["names"][i] for i, j in enumerate(first["same_as"]) if i != j]
+    assert tied == ["lm_head.weight"]  # found from the local shards, without a gather

@@ -24,7 +24,7 @@ def test_a_tied_lm_head_travels_once_and_is_loaded_under_both_names(vllm_policy)
     the sender marks the second name as the first tensor again and leaves it out of every bucket."""
     from transformers import AutoModelForCausalLM
 
-    from rloo_engine.generation.vllm_gloo_transfer import alias_indices
+    from rloo_engine.generation.vllm_common import alias_indices
 
     state = AutoModelForCausalLM.from_pretrained(vllm_policy).state_dict()
     names = list(state)
