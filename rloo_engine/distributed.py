@@ -142,6 +142,14 @@ def is_fsdp2(acc: Accelerator) -> bool:
     return acc.distributed_type == DistributedType.FSDP
 
 
+def is_shard(tensor: torch.Tensor) -> bool:
+    """An FSDP2 parameter: a DTensor, of which this rank holds its shard (`to_local`) and the whole is a collective
+    (`full_tensor`)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
 def zero_stage(acc: Accelerator) -> int:
     """DeepSpeed's ZeRO stage (0 when not under DeepSpeed)."""
     plugin = getattr(acc.state, "deepspeed_plugin", None)
@@ -268,10 +276,13 @@ def _fsdp2_unsharded(acc: Accelerator, model: torch.nn.Module):
     finally:
         for module in sharded:
             module.reshard()
-        # Back to the profile's setting, and the root's own (FSDP2 keeps the root unsharded after forward, since
-        # backward needs it next).
+        # Back to the settings accelerate's prepare made: the profile's, but the root and the tail group (final norm
+        # and head, where the backward starts) stay unsharded after forward, sparing a re-gather in every backward.
         model.set_reshard_after_forward(bool(acc.state.fsdp_plugin.reshard_after_forward))
         model.set_reshard_after_forward(False, recurse=False)
+        head = acc.unwrap_model(model).get_output_embeddings()
+        if isinstance(head, FSDPModule):
+            head.set_reshard_after_forward(False, recurse=False)
 
 
 def weights_for_sync(acc: Accelerator, model: torch.nn.Module):

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from rloo_engine import algorithm as A
+from rloo_engine.distributed import is_shard
 from rloo_engine.prompt_sharing import prompt_groups, shared_prompt_outputs
 
 # Positions per chunk: about 8M logits (32 MiB in float32) at a time.
@@ -36,18 +37,12 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
                      "lm_head_multiplier", "output_multiplier")
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 def chunkable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     """The LM head of `model` (possibly DDP/DeepSpeed-wrapped) when the chunked path reproduces it, else None."""
     inner = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
     get_head = getattr(inner, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    if type(head) is not torch.nn.Linear or hasattr(head.weight, "ds_id") or _is_dtensor(head.weight):
+    if type(head) is not torch.nn.Linear or hasattr(head.weight, "ds_id") or is_shard(head.weight):
         return None  # ds_id: a ZeRO-3 partitioned weight; a DTensor: FSDP2's shard, whole only inside the model's forward
     config = getattr(inner, "config", None)
     # Composite configs (e.g. Gemma3n) keep the text model's fields in get_text_config().

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from rloo_engine.config import RLOOConfig
 from rloo_engine.config_base import ConfigError
 from rloo_engine.data import completion_text, is_conversational
+from rloo_engine.distributed import is_shard
 from rloo_engine.fast_path import FLOAT32_TOLERANCE, HALF_PRECISION_TOLERANCE, fast_path_holds, stderr
 from rloo_engine.import_paths import load_callable
 from rloo_engine.models import DTYPES, empty_model
@@ -112,10 +113,8 @@ class RewardModelSource:
         """Scores with `model`, this source's model as the launch placed it. FSDP2 shards turn the shared-prompt path
         off: it calls the model's parts (decoder, score head), and a sharded module is whole only inside its own
         forward."""
-        from torch.distributed.tensor import DTensor
-
         self.model = model
-        if self.share_prompts and any(isinstance(p, DTensor) for p in model.parameters()):
+        if self.share_prompts and any(is_shard(p) for p in model.parameters()):
             self.share_prompts = False
             say("rloo-engine: share_prompt_forward (reward model): off under FSDP2 (the shared path runs the model's "
                 "parts, a sharded module is whole only inside its own forward); scoring every row whole")

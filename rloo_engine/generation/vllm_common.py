@@ -9,6 +9,7 @@ import torch
 
 from rloo_engine.algorithm import completion_mask
 from rloo_engine.config_base import ConfigError
+from rloo_engine.distributed import is_shard
 from rloo_engine.generation.base import Rollout
 
 
@@ -50,8 +51,7 @@ def vllm_weight_items(model: torch.nn.Module):
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole of `tensor`: an FSDP2 shard (DTensor) is all-gathered, a collective every rank must make in the
     same order; a plain tensor is itself."""
-    gather = getattr(tensor, "full_tensor", None)
-    return gather() if callable(gather) else tensor
+    return tensor.full_tensor() if is_shard(tensor) else tensor
 
 
 def one_at_a_time(items: list[tuple[str, torch.Tensor]]):
@@ -64,7 +64,7 @@ def alias_indices(tensors: list[torch.Tensor]) -> list[int]:
     """For each tensor, the index of the first one that is the same tensor (same storage, offset, shape, dtype)."""
     first: dict[tuple, int] = {}
     # An FSDP2 shard (DTensor) is compared by its local shard: a tied weight's two names share it.
-    local = [t.to_local() if callable(getattr(t, "to_local", None)) else t for t in tensors]
+    local = [t.to_local() if is_shard(t) else t for t in tensors]
     return [first.setdefault((x.untyped_storage().data_ptr(), x.storage_offset(), tuple(t.shape), t.dtype), i)
             for i, (t, x) in enumerate(zip(tensors, local))]
 

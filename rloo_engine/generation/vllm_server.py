@@ -26,12 +26,14 @@ from urllib.parse import urlparse
 
 import torch
 
+from rloo_engine.distributed import is_shard
 from rloo_engine.generation.base import Rollout, SamplingParams
 from rloo_engine.generation.vllm_client import Pending, VLLMServerClient, VLLMServerError
 from rloo_engine.generation.vllm_common import (
     alias_indices,
     full_tensor,
     import_vllm,
+    one_at_a_time,
     prompt_token_ids,
     to_rollout,
     vllm_weight_items,
@@ -52,7 +54,7 @@ class _ItemsSource:
 
     @property
     def sharded(self) -> bool:
-        return any(callable(getattr(t, "full_tensor", None)) for _, t in self.items)
+        return any(is_shard(t) for _, t in self.items)
 
     def metadata(self):
         from vllm.distributed.weight_transfer.base import ParamMeta
@@ -67,10 +69,9 @@ class _ItemsSource:
 
     def __iter__(self):
         self.gathered = 0
-        for name, tensor in self.items:
-            whole = full_tensor(tensor)
+        for item in one_at_a_time(self.items):
             self.gathered += 1
-            yield name, whole
+            yield item
 
     def finish_pass(self) -> None:
         """Makes the gathers this pass has not made yet: a rank that sends nothing, or a sender whose send failed

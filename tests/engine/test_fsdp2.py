@@ -60,6 +60,7 @@ def test_fsdp2_ranks_are_real_shards_and_match_ddp(straight_run, ddp_run):  # no
         assert len(d["frozen_held"]) == 2
         for held, total in zip(d["frozen_held"], d["frozen_total"]):
             assert held <= 0.51 * total, (held, total)
+        assert d["head_whole_after_forward"]  # the policy's tail group as accelerate set it, after generations
     rows = read_metrics(straight_run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["grad_norm"] > 0 for r in rows)
     assert abs(rows[0]["kl"]) < 1e-6  # policy == reference at step 1

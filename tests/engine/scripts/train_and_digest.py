@@ -38,5 +38,12 @@ out.write_text(json.dumps({
     "frozen_held": [held(m) for m in frozen], "frozen_total": [sum(p.numel() for p in m.parameters()) for m in frozen],
     "digest": digest.hexdigest(), "step": trainer.global_step, "prompts_seen": trainer.sampler.state_dict(),
 }))
+if isinstance(trainer.policy, torch.distributed.fsdp.FSDPModule):
+    # accelerate keeps the tail group (final norm, head) unsharded after forward, for the backward that follows; a
+    # generation in between must leave it so. A forward, then: is the head's weight whole (a plain tensor)?
+    with torch.no_grad():
+        trainer.policy(input_ids=torch.ones(1, 4, dtype=torch.long))
+    head = acc.unwrap_model(trainer.policy).get_output_embeddings().weight
+    out.write_text(json.dumps({**json.loads(out.read_text()), "head_whole_after_forward": not isinstance(head, DTensor)}))
 del trainer, acc  # the DDP model holds the group: it must go before the group does, not at teardown
 end_process_group()  # as `rloo-engine train` does: gloo can abort a process that exits with its group alive
