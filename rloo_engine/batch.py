@@ -3,10 +3,12 @@ checkpoint), and the per-batch metrics TRL logs for it."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from rloo_engine.vision import VisionRows
 
 
 @dataclass
@@ -19,6 +21,7 @@ class GenerationBatch:
     loss_normalizer: live rows per micro-batch, averaged over the batch; each micro-batch's loss is
     divided by it, so every live row weighs the same whichever micro-batch it falls in.
     generator_logps: (N, T) the external generator's (vLLM's) log-probs of the sampled tokens, None with HF.
+    vision: the rows' pixel inputs (`vision.VisionRows`), with a vision-language model.
     """
 
     input_ids: torch.Tensor
@@ -30,10 +33,14 @@ class GenerationBatch:
     prompt_length: int
     loss_normalizer: float = 1.0
     generator_logps: torch.Tensor | None = None
+    vision: VisionRows | None = None
 
     def micro_batch(self, index: int, size: int) -> dict[str, Any]:
         rows = slice(index * size, (index + 1) * size)
-        out = {k: v[rows] for k, v in asdict(self).items() if isinstance(v, torch.Tensor)}
+        # Not dataclasses.asdict: it deep-copies every tensor of the batch (and would turn `vision` into a dict).
+        fields = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out = {k: v[rows] for k, v in fields.items() if isinstance(v, torch.Tensor)}
+        out["vision"] = None if self.vision is None else self.vision.rows(rows)
         for optional in ("old_token_logps", "generator_logps"):
             value = getattr(self, optional)
             out[optional] = value[rows] if value is not None else None
@@ -42,10 +49,14 @@ class GenerationBatch:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in asdict(self).items()}
+        state = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        state["vision"] = None if self.vision is None else self.vision.to("cpu").state_dict()
+        return {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any], device: torch.device) -> GenerationBatch:
+        vision = state.get("vision")
+        state = {**state, "vision": None if vision is None else VisionRows(**vision).to(device)}
         return cls(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in state.items()})
 
 

@@ -27,6 +27,7 @@ import torch
 from rloo_engine import algorithm as A
 from rloo_engine.distributed import is_shard
 from rloo_engine.prompt_sharing import prompt_groups, shared_prompt_outputs
+from rloo_engine.vision import VisionRows
 
 # Positions per chunk: about 8M logits (32 MiB in float32) at a time.
 _CHUNK_LOGITS = 1 << 23
@@ -172,31 +173,38 @@ def completion_token_logps(
     with_entropy: bool = False,
     chunked: bool = False,
     share_prompts: bool = False,
+    vision: VisionRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs of the completion part. input_ids, attention_mask: (B, P + T) -> (B, T) each.
 
     Only the T completion positions reach the LM head (`logits_to_keep`), so the prompt never costs a
     vocabulary-sized projection. With `chunked` (and a head it can reproduce, see `logprobs.py`) the
     head runs in chunks of positions and the (B, T, V) logits never exist. With `share_prompts`, adjacent rows
-    with the same prompt share one forward of it (`prompt_sharing.py`).
+    with the same prompt share one forward of it (`prompt_sharing.py`). `vision`: the rows' pixel inputs, for a
+    vision-language model (every row's prompt then runs whole: the shared path splits a text decoder's cache).
     """
     tokens = input_ids[:, prompt_length:]
     head = chunkable_head(model) if chunked else None
-    out = _completion_outputs(model, _run_to_head(head), input_ids, attention_mask, prompt_length, share_prompts)
+    out = _completion_outputs(model, _run_to_head(head), input_ids, attention_mask, prompt_length, share_prompts,
+                              vision)
     if head is None:
         return A.token_log_probs(out, tokens, temperature, with_entropy)
     return chunked_token_log_probs(out, head, tokens, temperature, with_entropy)
 
 
-def _completion_outputs(model, run, input_ids, attention_mask, prompt_length: int, share_prompts: bool):
+def _completion_outputs(model, run, input_ids, attention_mask, prompt_length: int, share_prompts: bool,
+                        vision: VisionRows | None = None):
     """`run`'s output (logits, or the head's input) at the T positions that predict the completion tokens."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     groups = (prompt_groups(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
-              if share_prompts and prompt_length > 1 else None)
+              if share_prompts and prompt_length > 1 and vision is None else None)
     if groups is None:
         completion_len = input_ids.size(1) - prompt_length
-        return run(model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=completion_len + 1, use_cache=False)[:, :-1]  # position t predicts token t + 1
+        extra = {} if vision is None else vision.model_kwargs(input_ids.size(1))
+        if vision is None or not vision.own_positions:  # Qwen2-VL numbers positions from the images itself
+            extra["position_ids"] = position_ids
+        return run(model, input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=completion_len + 1,
+                   use_cache=False, **extra)[:, :-1]  # position t predicts token t + 1
     return shared_prompt_outputs(model, run, input_ids, attention_mask, position_ids, prompt_length, groups)
 
 
@@ -269,13 +277,14 @@ def frozen(model: torch.nn.Module, like: torch.nn.Module | None = None):
 @torch.no_grad()
 def batched_token_logps(model, input_ids, attention_mask, prompt_length, temperature, batch_size,
                         chunked: bool = False, share_prompts: bool = False,
-                        kernels_of: torch.nn.Module | None = None) -> torch.Tensor:
+                        kernels_of: torch.nn.Module | None = None, vision: VisionRows | None = None) -> torch.Tensor:
     """No-grad `completion_token_logps` over a whole generation batch, `batch_size` rows at a time, with the
     kernels a frozen model gets, or with `kernels_of` those of that model's training forward (`frozen`)."""
     with frozen(model, like=kernels_of):
         parts = [
             completion_token_logps(model, input_ids[i : i + batch_size], attention_mask[i : i + batch_size],
-                                   prompt_length, temperature, chunked=chunked, share_prompts=share_prompts)[0]
+                                   prompt_length, temperature, chunked=chunked, share_prompts=share_prompts,
+                                   vision=_rows(vision, i, batch_size))[0]
             for i in range(0, input_ids.size(0), batch_size)
         ]
     return torch.cat(parts)
@@ -283,7 +292,8 @@ def batched_token_logps(model, input_ids, attention_mask, prompt_length, tempera
 
 @torch.no_grad()
 def batched_truncated_token_logps(model, input_ids, attention_mask, prompt_length, temperature, batch_size,
-                                  truncation: dict, share_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                                  truncation: dict, share_prompts: bool = False,
+                                  vision: VisionRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`batched_token_logps` (without the chunked head: the truncation needs each position's whole distribution)
     and, from the same forward, each completion position's `A.sampling_kept_log_mass` under `truncation`
     ({top_k, top_p, min_p}, vLLM's order). Returns ((N, T), (N, T)) float32."""
@@ -293,11 +303,15 @@ def batched_truncated_token_logps(model, input_ids, attention_mask, prompt_lengt
         for i in range(0, input_ids.size(0), batch_size):
             rows = slice(i, i + batch_size)
             logits = _completion_outputs(model, _run_to_head(None), input_ids[rows], attention_mask[rows],
-                                         prompt_length, share_prompts)
+                                         prompt_length, share_prompts, _rows(vision, i, batch_size))
             logps.append(A.token_log_probs(logits, tokens[rows], temperature)[0])
             kept.append(torch.stack([A.sampling_kept_log_mass(row.float() / temperature, **truncation)
                                      for row in logits]))  # a (T, V) slice at a time, as token_log_probs
     return torch.cat(logps), torch.cat(kept)
+
+
+def _rows(vision: VisionRows | None, start: int, count: int) -> VisionRows | None:
+    return None if vision is None else vision.rows(slice(start, start + count))
 
 
 def probed_fast_paths(policy, vocab_size: int, autocast, half_precision: bool, chunked: bool, share: bool,

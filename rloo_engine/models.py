@@ -83,14 +83,29 @@ def eos_token_ids(tokenizer, model_path: str | None, revision: str | None = None
     return list(dict.fromkeys(i for i in ids if i is not None))
 
 
+def generative_auto_class(path: str, cfg: RLOOConfig):
+    """`AutoModelForImageTextToText` for a vision-language checkpoint (its config is one that class maps, as TRL
+    decides), else `AutoModelForCausalLM`."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    config = AutoConfig.from_pretrained(path, **hub_kwargs(cfg))
+    if config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def load_causal_lm(path: str, cfg: RLOOConfig, field: str = "model_name_or_path",
                    weights: bool = True) -> PreTrainedModel:
     """`weights=False`: the model without reading its weights (`empty_model`), for a process that is sent them."""
     try:
+        auto_class = generative_auto_class(path, cfg)
         if weights or cfg.load_in_4bit or cfg.load_in_8bit:  # quantised weights are made as they load
-            model = AutoModelForCausalLM.from_pretrained(path, **model_init_kwargs(cfg))
+            model = auto_class.from_pretrained(path, **model_init_kwargs(cfg))
         else:
-            model = empty_model(AutoModelForCausalLM, path, DTYPES[cfg.dtype], cfg.trust_remote_code,
+            model = empty_model(auto_class, path, DTYPES[cfg.dtype], cfg.trust_remote_code,
                                 cfg.model_revision, cfg.attn_implementation)
     except (OSError, ValueError) as err:
         hint = "" if Path(path).exists() or "/" in path else " (not a local directory either)"

@@ -9,6 +9,7 @@ from typing import Any
 
 from rloo_engine.data import PromptSampler, is_conversational
 from rloo_engine.generation.base import GenerationBackend, Rollout
+from rloo_engine.vision import row_images, with_image_items
 
 
 @dataclass
@@ -21,15 +22,19 @@ class PromptDraw:
     weights_step: int  # the optimizer step whose weights generate it
     sampler_state: dict  # the prompt sampler before this draw, for a checkpoint taken while it is in flight
     request: Any = None  # the server request `submit` sent (async_generation); None: generated when collected
+    images: list[list] | None = None  # each prompt's images (PIL), with a vision-language model
 
 
 class PromptFeed:
     """Draws `num_prompts` prompts a batch from `sampler`; with `submit_ahead` (async generation) each draw goes to
-    the backend at once, and `prefetch` keeps the next batch generating while the trainer works on this one."""
+    the backend at once, and `prefetch` keeps the next batch generating while the trainer works on this one.
+    With `vision` (a vision-language model) each row's images are drawn with it, and its prompt gets an image item
+    per image before it is rendered."""
 
     def __init__(self, dataset, sampler: PromptSampler, render: Callable[[Any], str], num_prompts: int,
-                 num_generations: int, backend: Callable[[], GenerationBackend], submit_ahead: bool):
-        self.dataset, self.sampler, self.render = dataset, sampler, render
+                 num_generations: int, backend: Callable[[], GenerationBackend], submit_ahead: bool,
+                 vision: bool = False):
+        self.dataset, self.sampler, self.render, self.vision = dataset, sampler, render, vision
         self.num_prompts, self.num_generations = num_prompts, num_generations
         self._backend, self.submit_ahead = backend, submit_ahead  # the trainer's current one (it may be swapped)
         self.in_flight: PromptDraw | None = None
@@ -41,8 +46,11 @@ class PromptFeed:
     def _draw(self, weights_step: int) -> PromptDraw:
         before = self.sampler.state_dict()
         rows = [self.dataset[i] for i in self.sampler.next_indices(self.num_prompts)]
-        draw = PromptDraw(rows, [self.render(r["prompt"]) for r in rows], is_conversational(rows[0]["prompt"]),
-                          weights_step, before)
+        images = [row_images(r, "train_dataset") for r in rows] if self.vision else None
+        prompts = ([with_image_items(r["prompt"], len(i)) for r, i in zip(rows, images)] if images is not None
+                   else [r["prompt"] for r in rows])
+        draw = PromptDraw(rows, [self.render(p) for p in prompts], is_conversational(rows[0]["prompt"]),
+                          weights_step, before, images=images)
         if self.submit_ahead:
             # A chat template writes its own special tokens (BOS); plain prompts get the tokenizer's.
             draw.request = self.backend.submit(draw.rendered, self.num_generations,
@@ -62,7 +70,9 @@ class PromptFeed:
         """`draw`'s completions: collected from the server (sent ahead) or generated now."""
         if draw.request is not None:
             return self.backend.collect(draw.request)
-        return self.backend.generate(draw.rendered, self.num_generations, add_special_tokens=not draw.conversational)
+        images = {} if draw.images is None else {"images": draw.images}
+        return self.backend.generate(draw.rendered, self.num_generations, add_special_tokens=not draw.conversational,
+                                     **images)
 
     def drain(self) -> None:
         """Waits for a batch the run turned out not to need: the server must finish it before new weights."""

@@ -67,6 +67,7 @@ from rloo_engine.run.fault_injection import crash, crash_step, maybe_kill
 from rloo_engine.run.preflight import check_completion_fits, model_position_limit, prompt_token_budget
 from rloo_engine.trainer_bookkeeping import TrainerBookkeeping
 from rloo_engine.trainer_inputs import eval_prompts, prepared_tokenizer, resolve_trainer_arguments, train_prompts
+from rloo_engine.vision import vision_processor
 
 
 @dataclass
@@ -110,17 +111,14 @@ class RLOOTrainer(TrainerBookkeeping):
         self.dataset_size = None if isinstance(self.dataset, StreamedPrompts) else len(self.dataset)
         eval_datasets = eval_prompts(cfg, self.inputs)
         given = self.inputs.policy
-        self.tokenizer = prepared_tokenizer(self.inputs.tokenizer, cfg, given)
+        self.processor = vision_processor(self.inputs.tokenizer, cfg, given, self.dataset, self._say)  # None: text
+        self.tokenizer = prepared_tokenizer(self.processor or self.inputs.tokenizer, cfg, given)
         self.model_eos_ids = eos_token_ids(self.tokenizer, cfg.model_name_or_path, cfg.model_revision,
                                            getattr(given, "generation_config", None))
         self.position_limit = (model_position_limit(cfg.model_name_or_path, **hub_kwargs(cfg)) if given is None
                                else getattr(given.config.get_text_config(), "max_position_embeddings", None))
         check_completion_fits(cfg, self.position_limit)
-        self.prompt_budget = prompt_token_budget(cfg, self.position_limit)
-        if self.prompt_budget != cfg.max_prompt_length and self.acc.is_main_process:
-            print(f"rloo-engine: max_prompt_length {cfg.max_prompt_length or 'unlimited'} + max_completion_length "
-                  f"{cfg.max_completion_length} exceeds the model's {self.position_limit} positions; prompts keep "
-                  f"their last {self.prompt_budget} tokens", file=sys.stderr)
+        self.prompt_budget = prompt_token_budget(cfg, self.position_limit, self._say)
         weights = loads_weights(self.acc)  # not on every process under FSDP2's cpu_ram_efficient_loading
         self.reward_sources = build_reward_sources(cfg, self.acc.device, self._say, self.inputs.reward_funcs,
                                                    self.inputs.reward_tokenizers, weights)
@@ -156,9 +154,9 @@ class RLOOTrainer(TrainerBookkeeping):
                         PromptSampler(self.dataset_size, cfg.seed, cfg.shuffle_dataset, self.acc.process_index,
                                       self.acc.num_processes))
         self.feed = PromptFeed(self.dataset, self.sampler,
-                               lambda prompt: render_prompt(self.tokenizer, prompt, cfg.chat_template_kwargs),
+                               lambda p: render_prompt(self.processor or self.tokenizer, p, cfg.chat_template_kwargs),
                                cfg.per_device_train_batch_size * self.steps_per_generation // cfg.num_generations,
-                               cfg.num_generations, lambda: self.backend, submit_ahead=cfg.async_generation)
+                               cfg.num_generations, lambda: self.backend, cfg.async_generation, self.processor is not None)
         self.global_step = 0
         self.synced_step = -1  # optimizer step whose weights the generation backend holds
         self.batch: GenerationBatch | None = None
@@ -184,8 +182,8 @@ class RLOOTrainer(TrainerBookkeeping):
         return build_backend(self.cfg, self.tokenizer, self._sampling_params(), self.acc,
                              policy_getter=lambda: self.acc.unwrap_model(self.policy),
                              gather=lambda: full_weights_for_generation(self.acc, self.policy),
-                             record_logps=record_decoding_logprobs(self.cfg, self.acc.unwrap_model(self.policy)), position_limit=self.position_limit,
-                             say=self._say)
+                             record_logps=record_decoding_logprobs(self.cfg, self.acc.unwrap_model(self.policy)),
+                             position_limit=self.position_limit, say=self._say, processor=self.processor)
 
     def _say(self, message: str) -> None:
         """A start-up note on stderr, from the main process only."""
@@ -265,7 +263,7 @@ class RLOOTrainer(TrainerBookkeeping):
                         with self.acc.autocast():
                             old_logps, kept_log_mass = batched_truncated_token_logps(
                                 self.policy, input_ids, attention_mask, P, c.temperature,
-                                c.per_device_train_batch_size, truncation, self.share_prompts)
+                                c.per_device_train_batch_size, truncation, self.share_prompts, rollout.vision)
                         # vLLM's processed log-probs are of the truncated, renormalised distribution; on the
                         # scale of the trainer's own (full) log-probs they are log mu(o) = log mu_trunc(o) + the
                         # log of the mass the truncation kept, here the trainer's at pi_old. Without this, rho
@@ -275,7 +273,7 @@ class RLOOTrainer(TrainerBookkeeping):
                         with self.acc.autocast():  # as the reference below and the training forward
                             old_logps = batched_token_logps(self.policy, input_ids, attention_mask, P, c.temperature,
                                                             c.per_device_train_batch_size, self.chunked_logprobs,
-                                                            self.share_prompts)
+                                                            self.share_prompts, vision=rollout.vision)
                     if c.beta > 0:
                         # accelerate's autocast wraps only the prepared model's forward; every log-prob pass runs
                         # inside it explicitly, so the chunked head (which runs after the forward) and the
@@ -287,7 +285,8 @@ class RLOOTrainer(TrainerBookkeeping):
                             ref_logps = batched_token_logps(self.ref or self.policy, input_ids, attention_mask, P,
                                                             c.temperature, c.per_device_train_batch_size,
                                                             self.chunked_logprobs, self.share_prompts,
-                                                            kernels_of=policy if old_logps is None else None)
+                                                            kernels_of=policy if old_logps is None else None,
+                                                            vision=rollout.vision)
                         if old_logps is not None:
                             kl = A.sequence_kl(old_logps, ref_logps, mask)  # (N,) k1 sequence KL: enters the reward
                 finally:
@@ -307,7 +306,7 @@ class RLOOTrainer(TrainerBookkeeping):
         live_per_micro_batch = max(loss_weights.sum().item(), 1.0) / self.steps_per_generation
         return GenerationBatch(input_ids, attention_mask, mask, advantages, loss_weights,
                                None if self.on_policy else old_logps, P, live_per_micro_batch,
-                               None if generator_logps is None else generator_logps.to(self.acc.device))
+                               None if generator_logps is None else generator_logps.to(self.acc.device), rollout.vision)
 
     def _advantages(self, scored, rewards, valid, rollout, completions, samples, kl) -> torch.Tensor:
         """Leave-one-out advantages of the KL-penalised rewards (N,); logs the batch's metrics and samples."""
@@ -340,7 +339,8 @@ class RLOOTrainer(TrainerBookkeeping):
                                                           mb["prompt_length"], c.temperature, with_entropy=True,
                                                           chunked=self.chunked_logprobs,
                                                           # checkpointing drops the cache the shared path runs on
-                                                          share_prompts=self.share_prompts and not c.gradient_checkpointing)
+                                                          share_prompts=self.share_prompts and not c.gradient_checkpointing,
+                                                          vision=mb["vision"])
         mask, row_weights = mb["completion_mask"], mb["loss_weights"]
         old = mb["old_token_logps"] if mb["old_token_logps"] is not None else token_logps.detach()
         if self._deferred_advantages is not None:  # this forward is pi_old of the whole batch: the KL comes from it

@@ -247,8 +247,16 @@ def _fingerprint(dataset: Any) -> str | None:
         return f"{type(dataset).__name__}:{dataset.features}"
     n = len(dataset)
     rows = [dataset[i] for i in sorted({i * (n - 1) // 15 for i in range(16)})] if n else []
-    summary = json.dumps([n, dataset.column_names, rows], sort_keys=True, default=str)
+    summary = json.dumps([n, dataset.column_names, rows], sort_keys=True, default=_by_content)
     return hashlib.sha256(summary.encode()).hexdigest()[:16]
+
+
+def _by_content(value: Any) -> str:
+    """A value JSON cannot write, as text that depends only on its content: an image by its pixels (its `str`
+    holds its memory address, so no run could resume)."""
+    if callable(getattr(value, "tobytes", None)) and hasattr(value, "mode"):  # a PIL image
+        return f"image {value.mode} {value.size} {hashlib.sha256(value.tobytes()).hexdigest()[:16]}"
+    return str(value)
 
 
 def _label(item: Any) -> str:

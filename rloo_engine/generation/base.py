@@ -33,6 +33,7 @@ class Rollout:
     sampling_logps: torch.Tensor | None = None
     generator_logps: torch.Tensor | None = None
     generator_logps_processed: bool = True  # of the truncated distribution when top_k / top_p / min_p are on
+    vision: Any = None  # a vision-language model's pixel inputs of the N rows (`vision.VisionRows`)
 
 
 @dataclass

@@ -6,7 +6,7 @@ from rloo_engine.generation.base import GenerationBackend, SamplingParams
 
 
 def build_backend(cfg, tokenizer, params: SamplingParams, acc, *, policy_getter, gather, record_logps: bool,
-                  position_limit: int | None, say) -> GenerationBackend:
+                  position_limit: int | None, say, processor=None) -> GenerationBackend:
     """The backend `cfg` asks for: HF `generate` on the training policy (default), a colocated vLLM engine in each
     process, or a vLLM server. vLLM's modules are imported only here, when asked for (it is an optional extra)."""
     if cfg.use_vllm and cfg.vllm_mode == "server":
@@ -32,4 +32,4 @@ def build_backend(cfg, tokenizer, params: SamplingParams, acc, *, policy_getter,
 
     decode_dtype = torch.bfloat16 if cfg.generation_dtype == "bfloat16" else None
     return HFGenerationBackend(policy_getter, tokenizer, params, gather=gather, record_logps=record_logps,
-                               fused_decode=cfg.fused_decode, say=say, decode_dtype=decode_dtype)
+                               fused_decode=cfg.fused_decode, say=say, decode_dtype=decode_dtype, processor=processor)

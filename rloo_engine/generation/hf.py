@@ -16,6 +16,7 @@ from rloo_engine.generation.base import Rollout, SamplingParams
 from rloo_engine.generation.fused_decode import FusedDecoder, decode_step_difference, unsupported_reason
 from rloo_engine.generation.kv_cache import cache_keyword, sequence_major_cache
 from rloo_engine.generation.sampling import PROCESSOR_KWARGS, TokenSampler
+from rloo_engine.vision import encode_prompts, numbers_own_positions
 
 
 class SampledTokenLogProbs(LogitsProcessor):
@@ -94,8 +95,9 @@ class HFGenerationBackend:
 
     def __init__(self, model_getter, tokenizer, params: SamplingParams, shared_prefill: bool = True,
                  gather=contextlib.nullcontext, record_logps: bool = False, fused_decode: bool = False,
-                 say=lambda message: None, decode_dtype: torch.dtype | None = None):
+                 say=lambda message: None, decode_dtype: torch.dtype | None = None, processor=None):
         self.model_getter = model_getter  # callable returning the unwrapped policy (LoRA-aware)
+        self.processor = processor  # a vision-language model's: prompts with images (`generate(images=...)`)
         self.gather = gather  # context making full weights available (DeepSpeed ZeRO-3)
         self.tokenizer = tokenizer
         self.params = params
@@ -157,24 +159,37 @@ class HFGenerationBackend:
         return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], num_generations: int, add_special_tokens: bool = False) -> Rollout:
+    def generate(self, prompts: list[str], num_generations: int, add_special_tokens: bool = False,
+                 images: list[list] | None = None) -> Rollout:
+        """`images`: each prompt's images, for a vision-language model (`processor`). Its rows then run HF
+        `generate` with their pixel inputs, G copies of each prompt: the shared prefill and the fused loop run a
+        text decoder's cache and layers, not the vision tower."""
         model = self.model_getter()
         device = next(model.parameters()).device
-        prompt_ids, prompt_mask = self.tokenize_prompts(prompts, device, add_special_tokens)
+        vision = None
+        if images is None:
+            prompt_ids, prompt_mask = self.tokenize_prompts(prompts, device, add_special_tokens)
+        else:
+            prompt_ids, prompt_mask, vision = encode_prompts(self.processor, prompts, images,
+                                                             self.params.max_prompt_length,
+                                                             numbers_own_positions(model), add_special_tokens)
+            prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+            vision = vision.to(device).repeat(num_generations)
         was_training = model.training
         recorder = SampledTokenLogProbs(self.params.temperature) if self.record_logps or self.decode_dtype else None
         self._decoded_in = None  # the dtype the fused loop decoded this call in, when not the model's
         model.eval()
         try:
             with self.gather():
-                if self.shared_prefill and prompt_ids.size(1) > 1:
+                if self.shared_prefill and prompt_ids.size(1) > 1 and vision is None:
                     sequences = self._generate_shared_prefill(model, prompt_ids, prompt_mask, num_generations,
                                                               recorder)
                 else:
                     # Greedy generate (our sampler) repeats no rows itself; HF sampling does, num_return_sequences.
-                    copies = num_generations if self.own_sampler else 1
+                    copies = num_generations if self.own_sampler or vision is not None else 1
+                    pixels = {} if vision is None else vision.model_kwargs(prompt_ids.size(1))
                     sequences = model.generate(input_ids=prompt_ids.repeat_interleave(copies, 0),
-                                               attention_mask=prompt_mask.repeat_interleave(copies, 0),
+                                               attention_mask=prompt_mask.repeat_interleave(copies, 0), **pixels,
                                                **self._generation_kwargs(num_generations // copies, recorder))
         finally:
             model.train(was_training)
@@ -188,7 +203,7 @@ class HFGenerationBackend:
             return Rollout(prompt_ids, prompt_mask, completion_ids, mask, terminated, generator_logps=logps,
                            generator_logps_processed=False)
         return Rollout(prompt_ids, prompt_mask, completion_ids, mask, terminated,
-                       logps if self.record_logps else None)
+                       logps if self.record_logps else None, vision=vision)
 
     def _generate_shared_prefill(self, model, prompt_ids, prompt_mask, g: int, recorder=None) -> torch.Tensor:
         """Prefills prompt[:, :-1] once, repeats the cache G times, lets `generate` (or `FusedDecoder`) continue from

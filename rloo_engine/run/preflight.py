@@ -82,8 +82,9 @@ def check_completion_fits(cfg: RLOOConfig, limit: int | None) -> None:
         )
 
 
-def prompt_token_budget(cfg: RLOOConfig, limit: int | None) -> int | None:
-    """Prompt tokens kept (from the end): max_prompt_length, cut so prompt + completion fit the model's positions.
+def prompt_token_budget(cfg: RLOOConfig, limit: int | None, say=lambda message: None) -> int | None:
+    """Prompt tokens kept (from the end): max_prompt_length, cut so prompt + completion fit the model's positions
+    (`say` gets a line when it is cut).
 
     vLLM refuses a max_model_len beyond max_position_embeddings, and models with learned positions fail past it,
     so the default 512-token prompt budget shrinks on a 512-position model instead of failing at the first step.
@@ -91,4 +92,9 @@ def prompt_token_budget(cfg: RLOOConfig, limit: int | None) -> int | None:
     if limit is None:
         return cfg.max_prompt_length
     room = limit - cfg.max_completion_length
-    return room if cfg.max_prompt_length is None else min(cfg.max_prompt_length, room)
+    budget = room if cfg.max_prompt_length is None else min(cfg.max_prompt_length, room)
+    if budget != cfg.max_prompt_length:
+        say(f"rloo-engine: max_prompt_length {cfg.max_prompt_length or 'unlimited'} + max_completion_length "
+            f"{cfg.max_completion_length} exceeds the model's {limit} positions; prompts keep their last {budget} "
+            "tokens")
+    return budget

@@ -54,6 +54,7 @@ def train_tokenizer(
     vocab_size: int = 320,
     style: str = "bpe",
     chat_template: str | None = CHAT_TEMPLATE,
+    extra_specials: tuple[str, ...] = (),
 ) -> PreTrainedTokenizerFast:
     """Trains a byte-level tokenizer on `texts` and wraps it for transformers.
 
@@ -61,7 +62,7 @@ def train_tokenizer(
     genuinely different tokenizers over the same text (for the cross-tokenizer reward test).
     """
     texts = texts if texts is not None else synthetic_corpus()
-    specials = [PAD, EOS, UNK, "<|user|>", "<|assistant|>", "<|system|>"]
+    specials = [PAD, EOS, UNK, "<|user|>", "<|assistant|>", "<|system|>", *extra_specials]
     if style == "bpe":
         tok = Tokenizer(models.BPE(unk_token=UNK))
         trainer = trainers.BpeTrainer(

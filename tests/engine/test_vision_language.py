@@ -1,0 +1,173 @@
+"""Vision-language models (issue 49): a dataset whose rows hold a chat prompt and an image trains a random-init LLaVA
+end to end through `RLOOTrainer(model=..., train_dataset=...)`, as TRL's RLOOTrainer takes it: each row keeps its own
+pixel inputs through generation, the log-prob passes and the micro-batches; the reward functions get the images as
+TRL passes them (the `image` column); step 1's KL is exactly 0; a run killed mid-batch resumes exactly."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import datasets
+import numpy
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from rloo_engine.config import RLOOConfig
+from rloo_engine.config_base import ConfigError
+from rloo_engine.run.fault_injection import CRASH_ENV, CRASH_EXIT_CODE
+from rloo_engine.testing.tiny_vlm import build_vlm, image
+from rloo_engine.trainer import RLOOTrainer
+from tests.engine.helpers import read_metrics
+
+G = 4
+seen_by_reward: list[dict] = []
+
+
+def picture_number(prompts, completions, image, **_) -> list[float]:
+    """A reward that reads the images: it records which picture each row's prompt names and the image it got."""
+    seen_by_reward.append({"prompts": prompts, "image": image})
+    return [float(torch.tensor(numpy.asarray(i).ravel().tolist(), dtype=torch.float32).mean() / 255) + len(c[0]["content"]) / 100
+            for i, c in zip(image, completions)]
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory) -> Path:
+    return build_vlm(tmp_path_factory.mktemp("llava") / "model", "llava")
+
+
+def picture_rows(n: int = 8) -> datasets.Dataset:
+    """Chat prompts naming their picture, each with its own random image (a datasets.Image column)."""
+    return datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"picture {k}"}], "image": image(k)}
+                                       for k in range(n)])
+
+
+def args(out: Path, **overrides) -> RLOOConfig:
+    values = dict(output_dir=str(out), num_generations=G, per_device_train_batch_size=4, steps_per_generation=2,
+                  num_iterations=2, max_completion_length=6, max_prompt_length=64, learning_rate=1e-3, beta=0.05,
+                  max_steps=4, save_steps=2, logging_steps=1, disable_tqdm=True, disable_dropout=True,
+                  sampling_logprobs="forward", report_to=[], seed=0)
+    return RLOOConfig(**{**values, **overrides})
+
+
+def train(model: Path, out: Path, resume=None, **overrides) -> RLOOTrainer:
+    trainer = RLOOTrainer(model=str(model), reward_funcs=picture_number, args=args(out, **overrides),
+                          train_dataset=picture_rows())
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def test_each_row_keeps_its_own_image_through_generation_and_the_loss(llava, tmp_path, capfd):
+    seen_by_reward.clear()
+    trainer = train(llava, tmp_path / "out", max_steps=2, save_steps=0)
+    assert "llava is a vision-language model" in capfd.readouterr().err  # the fast paths it runs without, named
+    processor = AutoProcessor.from_pretrained(llava)
+    batch = trainer.batch
+    prompts = trainer.tokenizer.batch_decode(batch.input_ids[:, :batch.prompt_length], skip_special_tokens=True)
+    assert batch.vision.counts["pixel_values"].tolist() == [1] * batch.input_ids.size(0)
+    for row, prompt in enumerate(prompts):
+        k = int(re.search(r"picture (\d+)", prompt).group(1))
+        expected = processor(images=[image(k)], text=["<image>"], return_tensors="pt")["pixel_values"]
+        torch.testing.assert_close(batch.vision.rows(slice(row, row + 1)).fields["pixel_values"], expected,
+                                   rtol=0, atol=0)
+    # The reward functions get the dataset's image column, each image G times, beside its own prompt.
+    for call in seen_by_reward:
+        assert len(call["image"]) == len(call["prompts"])
+        for prompt, picture in zip(call["prompts"], call["image"]):
+            k = int(re.search(r"picture (\d+)", prompt[0]["content"]).group(1))
+            assert numpy.array_equal(numpy.asarray(picture), numpy.asarray(image(k)))
+    # The images reach the model: the same batch scored with the rows' images swapped gives other log-probs.
+    from rloo_engine.logprobs import batched_token_logps
+
+    policy = trainer.acc.unwrap_model(trainer.policy).eval()
+    own = batched_token_logps(policy, batch.input_ids, batch.attention_mask, batch.prompt_length, 1.0, 4,
+                              vision=batch.vision)
+    swapped = batch.vision.rows(slice(None))
+    swapped.fields["pixel_values"] = swapped.fields["pixel_values"].flip(0)
+    other = batched_token_logps(policy, batch.input_ids, batch.attention_mask, batch.prompt_length, 1.0, 4,
+                                vision=swapped)
+    assert (own - other).abs().max() > 1e-4
+
+
+def test_a_vlm_starts_at_kl_0_and_resumes_exactly_after_a_crash(llava, tmp_path, monkeypatch):
+    train(llava, tmp_path / "a")
+    monkeypatch.setenv(CRASH_ENV, "2")  # dies right after the step-2 checkpoint, inside a generation batch
+    with pytest.raises(SystemExit) as exit_info:
+        train(llava, tmp_path / "b")
+    assert exit_info.value.code == CRASH_EXIT_CODE
+    monkeypatch.delenv(CRASH_ENV)
+    train(llava, tmp_path / "b", resume="latest")
+
+    a = AutoModelForImageTextToText.from_pretrained(tmp_path / "a" / "final")
+    b = AutoModelForImageTextToText.from_pretrained(tmp_path / "b" / "final")
+    before = AutoModelForImageTextToText.from_pretrained(llava)
+    changed = set()
+    for (name, pa), (_, pb), (_, p0) in zip(a.named_parameters(), b.named_parameters(), before.named_parameters()):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0, msg=f"parameter {name} differs after resume")
+        if not torch.equal(pa, p0):
+            changed.add(name.split(".")[1])
+    assert {"vision_tower", "multi_modal_projector", "language_model"} <= changed  # every part trained
+    ra, rb = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert [r["step"] for r in rb] == [1, 2, 3, 4]
+    for x, y in zip(ra, rb):
+        for key in set(x) - {"step_time"} - {k for k in x if k.startswith("timing/")}:
+            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), (x["step"], key)
+    assert ra[0]["kl"] == 0.0 and ra[0]["sequence_kl"] == 0.0  # step 1: the policy is its reference
+
+
+def test_lora_on_the_language_and_projection_layers(llava, tmp_path):
+    trainer = train(llava, tmp_path / "out", max_steps=2, save_steps=0, steps_per_generation=1, num_iterations=1,
+                    use_peft=True, lora_r=4,
+                    lora_target_modules=["q_proj", "v_proj", "linear_1", "linear_2"])
+    trained = {n for n, p in trainer.acc.unwrap_model(trainer.policy).named_parameters() if p.requires_grad}
+    assert any("multi_modal_projector.linear_1.lora_A" in n for n in trained)
+    assert any("language_model" in n and "q_proj.lora_A" in n for n in trained)
+    assert read_metrics(tmp_path / "out")[1]["kl"] != 0.0  # the adapters moved the policy off its reference
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "out" / "final")
+    assert merged.config.model_type == "llava"
+
+
+def test_images_for_a_text_only_model_are_refused_before_any_model_loads(tmp_path):
+    from rloo_engine.testing.tiny_models import build_causal_lm, train_tokenizer
+
+    text_model = build_causal_lm(tmp_path / "lm", train_tokenizer())
+    with pytest.raises(ConfigError, match=r"train_dataset: column 'image' holds images, and .* is a text-only model"):
+        RLOOTrainer(model=str(text_model), reward_funcs=picture_number, args=args(tmp_path / "out"),
+                    train_dataset=picture_rows())
+
+
+def test_a_vlm_with_vllm_generation_is_refused_by_name(llava, tmp_path):
+    with pytest.raises(ConfigError, match="use_vllm: true, and .* is a vision-language model"):
+        RLOOTrainer(model=str(llava), reward_funcs=picture_number, args=args(tmp_path / "out", use_vllm=True),
+                    train_dataset=picture_rows())
+
+
+def test_a_prompt_with_an_image_is_never_cut(llava, tmp_path):
+    with pytest.raises(ConfigError, match="max_prompt_length: 8 tokens, and prompt .* image"):
+        train(llava, tmp_path / "out", max_prompt_length=8, max_steps=1, save_steps=0)
+
+
+def test_the_readme_vlm_example_runs(llava, tmp_path, monkeypatch):
+    """README's block as written (readme-vlm-example), with the hub id swapped for the tiny LLaVA and fewer steps; its
+    reward reads each row's image file, decoded by the datasets.Image column."""
+    from tests.doc_blocks import REPO, blocks
+
+    (block,) = [b for b in blocks(REPO / "README.md")
+                if b.kind == "covered" and "tests/engine/test_vision_language.py:readme-vlm-example" in b.argument]
+    code = block.text
+    assert '"llava-hf/llava-1.5-7b-hf"' in code and "max_steps=200, save_steps=50" in code
+    code = code.replace('"llava-hf/llava-1.5-7b-hf"', repr(str(llava))).replace(
+        "max_steps=200, save_steps=50", "max_steps=2, save_steps=0, per_device_train_batch_size=8, "
+        "num_generations=4, max_completion_length=6, report_to=[]")
+    monkeypatch.chdir(tmp_path)
+    with open("pictures.jsonl", "w") as rows:
+        for k in range(4):
+            image(k).save(f"picture{k}.png")
+            rows.write(json.dumps({"prompt": [{"role": "user", "content": "Which half is brighter?"}],
+                                   "image": f"picture{k}.png"}) + "\n")
+    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+    rows = read_metrics(tmp_path / "llava-RLOO")
+    assert rows[-1]["step"] == 2 and "rewards/names_the_brighter_half/mean" in rows[-1]
+    assert AutoModelForImageTextToText.from_pretrained(tmp_path / "llava-RLOO" / "final").config.model_type == "llava"
