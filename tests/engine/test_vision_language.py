@@ -1,7 +1,11 @@
 """Vision-language models (issue 49): a dataset whose rows hold a chat prompt and an image trains a random-init LLaVA
 end to end through `RLOOTrainer(model=..., train_dataset=...)`, as TRL's RLOOTrainer takes it: each row keeps its own
 pixel inputs through generation, the log-prob passes and the micro-batches; the reward functions get the images as
-TRL passes them (the `image` column); step 1's KL is exactly 0; a run killed mid-batch resumes exactly."""
+TRL passes them (the `image` column); step 1's KL is exactly 0; a run killed mid-batch resumes exactly.
+
+Qwen2-VL and Qwen2.5-VL (positions from a multimodal rotary index the model computes) need torchvision for their
+processor, which this project's CPU torch 2.13.0 cannot load beside it: they run in the vision lane,
+`scripts/test_vision_models.sh` (torch 2.14.1 with its torchvision), which fails on any skipped test."""
 
 from __future__ import annotations
 
@@ -23,25 +27,57 @@ from rloo_engine.trainer import RLOOTrainer
 from tests.engine.helpers import read_metrics
 
 G = 4
+SIDE = 56  # pixels: Qwen's processor takes no smaller image; LLaVA's resizes it to its 28
+# family -> (LoRA targets on the language and projection layers, the model's parts every run must train)
+FAMILIES = {
+    "llava": (["q_proj", "v_proj", "linear_1", "linear_2"], {"vision_tower", "multi_modal_projector", "language_model"}),
+    "qwen2_vl": (["q_proj", "v_proj", "mlp.0", "mlp.2"], {"visual", "language_model"}),
+    "qwen2_5_vl": (["q_proj", "v_proj", "mlp.0", "mlp.2"], {"visual", "language_model"}),
+}
 seen_by_reward: list[dict] = []
+
+
+def has_torchvision() -> bool:
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # not installed, or a build that does not load beside this torch
+        return False
+    return True
+
+
+FAMILY_PARAMS = [pytest.param(f, marks=[] if f == "llava" else pytest.mark.skipif(
+    not has_torchvision(), reason="its processor needs torchvision: scripts/test_vision_models.sh runs it"))
+    for f in FAMILIES]
 
 
 def picture_number(prompts, completions, image, **_) -> list[float]:
     """A reward that reads the images: it records which picture each row's prompt names and the image it got."""
     seen_by_reward.append({"prompts": prompts, "image": image})
-    return [float(torch.tensor(numpy.asarray(i).ravel().tolist(), dtype=torch.float32).mean() / 255) + len(c[0]["content"]) / 100
+    return [float(numpy.asarray(i, dtype=numpy.float32).mean() / 255) + len(c[0]["content"]) / 100
             for i, c in zip(image, completions)]
 
 
 @pytest.fixture(scope="module")
-def llava(tmp_path_factory) -> Path:
-    return build_vlm(tmp_path_factory.mktemp("llava") / "model", "llava")
+def vlms(tmp_path_factory) -> dict[str, Path]:
+    root, built = tmp_path_factory.mktemp("vlms"), {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = build_vlm(root / family, family)
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def llava(vlms) -> Path:
+    return vlms("llava")
 
 
 def picture_rows(n: int = 8) -> datasets.Dataset:
     """Chat prompts naming their picture, each with its own random image (a datasets.Image column)."""
-    return datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"picture {k}"}], "image": image(k)}
-                                       for k in range(n)])
+    return datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"picture {k}"}],
+                                        "image": image(k, SIDE)} for k in range(n)])
 
 
 def args(out: Path, **overrides) -> RLOOConfig:
@@ -59,25 +95,30 @@ def train(model: Path, out: Path, resume=None, **overrides) -> RLOOTrainer:
     return trainer
 
 
-def test_each_row_keeps_its_own_image_through_generation_and_the_loss(llava, tmp_path, capfd):
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_each_row_keeps_its_own_image_through_generation_and_the_loss(family, vlms, tmp_path, capfd):
+    model = vlms(family)
     seen_by_reward.clear()
-    trainer = train(llava, tmp_path / "out", max_steps=2, save_steps=0)
-    assert "llava is a vision-language model" in capfd.readouterr().err  # the fast paths it runs without, named
-    processor = AutoProcessor.from_pretrained(llava)
+    trainer = train(model, tmp_path / "out", max_steps=2, save_steps=0)
+    assert f"{family} is a vision-language model" in capfd.readouterr().err  # the fast paths it runs without
+    processor = AutoProcessor.from_pretrained(model)
     batch = trainer.batch
+    assert batch.vision.own_positions == family.startswith("qwen")  # the multimodal rotary index: no 1-D positions
     prompts = trainer.tokenizer.batch_decode(batch.input_ids[:, :batch.prompt_length], skip_special_tokens=True)
-    assert batch.vision.counts["pixel_values"].tolist() == [1] * batch.input_ids.size(0)
     for row, prompt in enumerate(prompts):
         k = int(re.search(r"picture (\d+)", prompt).group(1))
-        expected = processor(images=[image(k)], text=["<image>"], return_tensors="pt")["pixel_values"]
-        torch.testing.assert_close(batch.vision.rows(slice(row, row + 1)).fields["pixel_values"], expected,
-                                   rtol=0, atol=0)
+        expected = processor(images=[image(k, SIDE)], text=[processor.image_token], return_tensors="pt")
+        got = batch.vision.rows(slice(row, row + 1)).fields
+        # per image or patch; per token (Qwen's mm_token_type_ids), aligned with the row's own prompt ids
+        assert set(got) | set(batch.vision.token_fields) == set(expected) - {"input_ids", "attention_mask"}
+        for name, tensor in got.items():
+            torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0)
     # The reward functions get the dataset's image column, each image G times, beside its own prompt.
     for call in seen_by_reward:
         assert len(call["image"]) == len(call["prompts"])
         for prompt, picture in zip(call["prompts"], call["image"]):
             k = int(re.search(r"picture (\d+)", prompt[0]["content"]).group(1))
-            assert numpy.array_equal(numpy.asarray(picture), numpy.asarray(image(k)))
+            assert numpy.array_equal(numpy.asarray(picture), numpy.asarray(image(k, SIDE)))
     # The images reach the model: the same batch scored with the rows' images swapped gives other log-probs.
     from rloo_engine.logprobs import batched_token_logps
 
@@ -85,30 +126,32 @@ def test_each_row_keeps_its_own_image_through_generation_and_the_loss(llava, tmp
     own = batched_token_logps(policy, batch.input_ids, batch.attention_mask, batch.prompt_length, 1.0, 4,
                               vision=batch.vision)
     swapped = batch.vision.rows(slice(None))
-    swapped.fields["pixel_values"] = swapped.fields["pixel_values"].flip(0)
+    swapped.fields["pixel_values"] = swapped.fields["pixel_values"].flip(0)  # images (LLaVA) or patches (Qwen)
     other = batched_token_logps(policy, batch.input_ids, batch.attention_mask, batch.prompt_length, 1.0, 4,
                                 vision=swapped)
     assert (own - other).abs().max() > 1e-4
 
 
-def test_a_vlm_starts_at_kl_0_and_resumes_exactly_after_a_crash(llava, tmp_path, monkeypatch):
-    train(llava, tmp_path / "a")
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_a_vlm_starts_at_kl_0_and_resumes_exactly_after_a_crash(family, vlms, tmp_path, monkeypatch):
+    model = vlms(family)
+    train(model, tmp_path / "a")
     monkeypatch.setenv(CRASH_ENV, "2")  # dies right after the step-2 checkpoint, inside a generation batch
     with pytest.raises(SystemExit) as exit_info:
-        train(llava, tmp_path / "b")
+        train(model, tmp_path / "b")
     assert exit_info.value.code == CRASH_EXIT_CODE
     monkeypatch.delenv(CRASH_ENV)
-    train(llava, tmp_path / "b", resume="latest")
+    train(model, tmp_path / "b", resume="latest")
 
     a = AutoModelForImageTextToText.from_pretrained(tmp_path / "a" / "final")
     b = AutoModelForImageTextToText.from_pretrained(tmp_path / "b" / "final")
-    before = AutoModelForImageTextToText.from_pretrained(llava)
+    before = AutoModelForImageTextToText.from_pretrained(model)
     changed = set()
     for (name, pa), (_, pb), (_, p0) in zip(a.named_parameters(), b.named_parameters(), before.named_parameters()):
         torch.testing.assert_close(pa, pb, rtol=0, atol=0, msg=f"parameter {name} differs after resume")
         if not torch.equal(pa, p0):
             changed.add(name.split(".")[1])
-    assert {"vision_tower", "multi_modal_projector", "language_model"} <= changed  # every part trained
+    assert FAMILIES[family][1] <= changed  # every part trained
     ra, rb = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
     assert [r["step"] for r in rb] == [1, 2, 3, 4]
     for x, y in zip(ra, rb):
@@ -117,16 +160,19 @@ def test_a_vlm_starts_at_kl_0_and_resumes_exactly_after_a_crash(llava, tmp_path,
     assert ra[0]["kl"] == 0.0 and ra[0]["sequence_kl"] == 0.0  # step 1: the policy is its reference
 
 
-def test_lora_on_the_language_and_projection_layers(llava, tmp_path):
-    trainer = train(llava, tmp_path / "out", max_steps=2, save_steps=0, steps_per_generation=1, num_iterations=1,
-                    use_peft=True, lora_r=4,
-                    lora_target_modules=["q_proj", "v_proj", "linear_1", "linear_2"])
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_lora_on_the_language_and_projection_layers(family, vlms, tmp_path):
+    targets, _ = FAMILIES[family]
+    trainer = train(vlms(family), tmp_path / "out", max_steps=2, save_steps=0, steps_per_generation=1,
+                    num_iterations=1, use_peft=True, lora_r=4, lora_target_modules=targets,
+                    save_merged_model=True)
     trained = {n for n, p in trainer.acc.unwrap_model(trainer.policy).named_parameters() if p.requires_grad}
-    assert any("multi_modal_projector.linear_1.lora_A" in n for n in trained)
+    projector = "multi_modal_projector.linear_1" if family == "llava" else "merger.mlp.0"
+    assert any(f"{projector}.lora_A" in n for n in trained), sorted(trained)
     assert any("language_model" in n and "q_proj.lora_A" in n for n in trained)
     assert read_metrics(tmp_path / "out")[1]["kl"] != 0.0  # the adapters moved the policy off its reference
-    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "out" / "final")
-    assert merged.config.model_type == "llava"
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "out" / "final-merged")
+    assert merged.config.model_type == family
 
 
 def test_images_for_a_text_only_model_are_refused_before_any_model_loads(tmp_path):
@@ -171,3 +217,24 @@ def test_the_readme_vlm_example_runs(llava, tmp_path, monkeypatch):
     rows = read_metrics(tmp_path / "llava-RLOO")
     assert rows[-1]["step"] == 2 and "rewards/names_the_brighter_half/mean" in rows[-1]
     assert AutoModelForImageTextToText.from_pretrained(tmp_path / "llava-RLOO" / "final").config.model_type == "llava"
+
+
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_the_log_probs_recorded_while_decoding_are_the_forwards_with_left_padding(family, vlms, tmp_path):
+    """pi_old from decoding (sampling_logprobs auto) must be what the training forward computes, rows of different
+    prompt lengths left-padded: positions and pixel inputs as generate had them (Qwen: its rotary index)."""
+    from rloo_engine.logprobs import batched_token_logps
+
+    rows = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"picture {k} " + "the cat sat " * k}],
+                                        "image": image(k, SIDE)} for k in range(8)])
+    trainer = RLOOTrainer(model=str(vlms(family)), reward_funcs=picture_number, train_dataset=rows,
+                          args=args(tmp_path / "out", sampling_logprobs="auto", per_device_train_batch_size=16,
+                                    steps_per_generation=1, num_iterations=1, max_steps=1))
+    rollout = trainer.feed.rollout(trainer.feed.take(lambda: 0))
+    assert rollout.sampling_logps is not None  # recorded while decoding
+    assert len(set(rollout.prompt_mask.sum(1).tolist())) == 4  # four prompt lengths, left-padded
+    policy = trainer.acc.unwrap_model(trainer.policy).eval()
+    forward = batched_token_logps(policy, torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+                                  torch.cat([rollout.prompt_mask, rollout.completion_mask], 1),
+                                  rollout.prompt_ids.size(1), 1.0, 4, vision=rollout.vision)
+    assert ((forward - rollout.sampling_logps) * rollout.completion_mask).abs().max() < 1e-5
