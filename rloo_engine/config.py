@@ -355,6 +355,7 @@ class RLOOConfig(EvalOptions, LoraOptions, VLLMOptions, ModelLoadingOptions):
 
     # ---------------------------------------------------------------- logging samples
     log_completions: bool = F(False, "Print sample completions at each logging step and save them to `completions.jsonl`.")
+    log_multimodal: bool = F(True, "With `log_completions` and prompts with images: save each logged prompt's images (`completion_images/step-N/`), name them in `completions.jsonl` (`images`) and show them in the MLflow completions table (`image`). false keeps the logs small with high-resolution images.")
     num_completions_to_print: int | None = F(None, "Rows printed per logging step; None = all of the batch's first group.", ge=1)
 
     # ---------------------------------------------------------------- validation

@@ -37,7 +37,8 @@ from rloo_engine.mlflow_sender import (
 )
 
 RUN_FILE = "mlflow_run.json"
-ARTIFACTS = ("config.yaml", "metrics.jsonl", "completions.jsonl")  # a finished run's files, uploaded at its end
+# a finished run's files, uploaded at its end (completion_images/: a folder, with log_multimodal)
+ARTIFACTS = ("config.yaml", "metrics.jsonl", "completions.jsonl", "completion_images")
 
 # Metrics that are extremes over the logging window and the processes, not means of per-micro-batch extremes.
 EXTREMES = {"vllm/logprob_diff_max": max, "bf16_decoding/logprob_diff_max": max, "sampling/importance_sampling_ratio/max": max,
@@ -186,7 +187,9 @@ class MetricsLogger:
             tracker.log(step, clean)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        if self.enabled and self.client is not None and Path(path).exists():
+        if self.enabled and self.client is not None and Path(path).is_dir():
+            self.client.log_artifacts(self.run_id, str(path), artifact_path or Path(path).name)
+        elif self.enabled and self.client is not None and Path(path).exists():
             self.client.log_artifact(self.run_id, str(path), artifact_path)
 
     def log_table(self, jsonl_path: str | Path, artifact_file: str) -> None:
@@ -194,12 +197,24 @@ class MetricsLogger:
         if self.enabled and self.client is not None:
             log_jsonl_table(self.client, self.run_id, Path(jsonl_path), artifact_file)
 
-    def log_completions(self, step: int, samples: list[dict], num_to_print: int) -> None:
+    def log_completions(self, step: int, samples: list[dict], num_to_print: int,
+                        images: list[list] | None = None) -> None:
         """Appends this step's samples to `completions.jsonl` and prints the first `num_to_print` (as TRL prints).
-        A `log_extra` value JSON cannot hold (a numpy scalar, an object) is written as its `str`."""
+        A `log_extra` value JSON cannot hold (a numpy scalar, an object) is written as its `str`. `images`: each
+        sample's prompt images (`log_multimodal`), saved once per prompt as `completion_images/step-N/*.png` and
+        named in the row's `images`."""
         from tqdm.auto import tqdm
 
         rows = [{"step": step, **r} for r in samples]
+        saved: dict[int, list[str]] = {}  # a prompt's image list (shared by its G samples) -> its files
+        for row, prompt_images in zip(rows, images or []):
+            if id(prompt_images) not in saved:
+                names = [f"completion_images/step-{step}/prompt-{len(saved)}-{j}.png" for j in range(len(prompt_images))]
+                (self.path.parent / "completion_images" / f"step-{step}").mkdir(parents=True, exist_ok=True)
+                for name, picture in zip(names, prompt_images):
+                    picture.save(self.path.parent / name)
+                saved[id(prompt_images)] = names
+            row["images"] = saved[id(prompt_images)]
         with (self.path.parent / "completions.jsonl").open("a") as fh:
             fh.writelines(json.dumps(r, default=str) + "\n" for r in rows)
         for r in rows[:num_to_print]:

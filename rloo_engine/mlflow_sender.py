@@ -188,4 +188,19 @@ def log_jsonl_table(client: Any, run_id: str, path: Path, artifact_file: str) ->
     if rows:
         # Every row's keys, in first-seen order: a reward function's `log_extra` column may start mid-run.
         names = list(dict.fromkeys(k for r in rows for k in r))
-        client.log_table(run_id, {k: [r.get(k) for r in rows] for k in names}, artifact_file)
+        if "images" in names:  # log_multimodal: each row's first prompt image, shown beside its prompt
+            names.insert(names.index("prompt") + 1 if "prompt" in names else 0, "image")
+        table = {k: [_table_image(path.parent, r.get("images")) if k == "image" else r.get(k) for r in rows]
+                 for k in names}
+        client.log_table(run_id, table, artifact_file)
+
+
+def _table_image(folder: Path, names: list[str] | None):
+    """The first of a row's saved prompt images as an `mlflow.Image` (a table cell the UI shows), or None."""
+    if not names or not (folder / names[0]).is_file():
+        return None
+    import mlflow
+    from PIL import Image
+
+    with Image.open(folder / names[0]) as picture:
+        return mlflow.Image(picture.copy())

@@ -38,6 +38,7 @@ class PromptFeed:
         self.num_prompts, self.num_generations = num_prompts, num_generations
         self._backend, self.submit_ahead = backend, submit_ahead  # the trainer's current one (it may be swapped)
         self.in_flight: PromptDraw | None = None
+        self.last_taken: PromptDraw | None = None  # the draw the trainer's current batch came from
 
     @property
     def backend(self) -> GenerationBackend:
@@ -60,6 +61,7 @@ class PromptFeed:
     def take(self, weights_step: Callable[[], int]) -> PromptDraw:
         """The batch in flight, else a new draw; `weights_step()` gives the backend this step's weights first."""
         draw, self.in_flight = self.in_flight or self._draw(weights_step()), None
+        self.last_taken = draw
         return draw
 
     def prefetch(self, weights_step: Callable[[], int]) -> None:

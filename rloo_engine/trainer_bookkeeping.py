@@ -59,10 +59,18 @@ class TrainerBookkeeping:
             self.callbacks.event("on_evaluate", self.cfg, self.state, metrics=evaluated)
         if train and self.cfg.log_completions and self.acc.is_main_process:
             self.logger.log_completions(self.global_step, self.last_samples,
-                                        self.cfg.num_completions_to_print or self.cfg.num_generations)
+                                        self.cfg.num_completions_to_print or self.cfg.num_generations,
+                                        self._sample_images())
         if train:
             self.window.clear()
         return {k: v for row in rows for k, v in row.items()}
+
+    def _sample_images(self) -> list[list] | None:
+        """Each logged sample's prompt images (G samples share a prompt's), with `log_multimodal`; else None."""
+        draw = self.feed.last_taken
+        if not self.cfg.log_multimodal or draw is None or draw.images is None:
+            return None
+        return [draw.images[i // self.cfg.num_generations] for i in range(len(self.last_samples))]
 
     @torch.no_grad()
     def _evaluate(self) -> dict[str, float]:

@@ -265,7 +265,7 @@ TRL_FIELDS: dict[str, TrlField] = {
     "ref_model_mixup_alpha": _same(),
     "ref_model_sync_steps": _same(),
     "log_completions": _same(),
-    "log_multimodal": _ignored("prompts are text only here"),
+    "log_multimodal": _same("images saved beside completions.jsonl and shown in the MLflow completions table"),
     "num_completions_to_print": _same(),
     "log_unique_prompts": _refused("completions are logged per row (`completions.jsonl`)", False),
     "use_transformers_continuous_batching": _refused(

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import datasets
 import numpy
+import PIL.Image
 import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -238,3 +239,37 @@ def test_the_log_probs_recorded_while_decoding_are_the_forwards_with_left_paddin
                                   torch.cat([rollout.prompt_mask, rollout.completion_mask], 1),
                                   rollout.prompt_ids.size(1), 1.0, 4, vision=rollout.vision)
     assert ((forward - rollout.sampling_logps) * rollout.completion_mask).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("log_multimodal", [True, False])
+def test_logged_completions_carry_their_prompt_images_to_files_and_mlflow(llava, tmp_path, monkeypatch,
+                                                                           log_multimodal):
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.MlflowClient(uri).create_experiment("vlm", artifact_location=str(tmp_path / "artifacts"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "vlm")
+    monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
+    out = tmp_path / "out"
+    train(llava, out, max_steps=2, save_steps=0, steps_per_generation=1, num_iterations=1, report_to=["mlflow"],
+          log_completions=True,
+          log_multimodal=log_multimodal)
+    rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] * 4 + [2] * 4  # per_device_train_batch_size 4: one prompt a step
+    client = mlflow.MlflowClient(uri)
+    run_id = json.loads((out / "mlflow_run.json").read_text())["run_id"]
+    table = json.loads(Path(client.download_artifacts(run_id, "completions.json", str(tmp_path))).read_text())
+    if not log_multimodal:
+        assert "images" not in rows[0] and not (out / "completion_images").exists() and "image" not in table["columns"]
+        return
+    for row in rows:  # the prompt's own picture, saved once for its G completions
+        (name,) = row["images"]
+        assert name == f"completion_images/step-{row['step']}/prompt-0-0.png"
+        k = int(re.search(r"picture (\d+)", row["prompt"]).group(1))
+        with PIL.Image.open(out / name) as saved:
+            assert numpy.array_equal(numpy.asarray(saved), numpy.asarray(image(k, SIDE)))
+    uploaded = {a.path for a in client.list_artifacts(run_id, "completion_images/step-1")}
+    assert uploaded == {"completion_images/step-1/prompt-0-0.png"}
+    cells = [row[table["columns"].index("image")] for row in table["data"]]
+    assert len(cells) == 8 and all(cell["type"] == "image" for cell in cells)
