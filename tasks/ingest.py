@@ -25,7 +25,7 @@ from rloo_engine.pipeline.input_checkpoints import (
 )
 from rloo_engine.pipeline.tracking import RunRef
 
-INSPECTION_VERSION = 1  # bump when inspect_checkpoint changes what it checks or records, to invalidate the cache
+INSPECTION_VERSION = 2  # bump when inspect_checkpoint changes what it checks or records, to invalidate the cache
 
 
 def _digest_cache_key(context, parameters) -> str:

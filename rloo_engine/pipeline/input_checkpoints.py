@@ -20,6 +20,7 @@ from pydantic import BaseModel
 
 from rloo_engine.config_base import ConfigError
 from rloo_engine.run.preflight import check_tokenizer_saved
+from rloo_engine.vision import is_vision_language
 
 Kind = Literal["causal_lm", "reward_model"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -42,6 +43,7 @@ class CheckpointFacts(BaseModel):
     eos_token: str | None
     has_chat_template: bool
     num_labels: int | None = None
+    vision_language: bool = False  # loads with AutoModelForImageTextToText; its processor loaded too
 
 
 class CheckpointInfo(BaseModel):
@@ -270,7 +272,17 @@ def inspect_checkpoint(directory: Path, kind: Kind, field: str) -> CheckpointFac
         raise ConfigError(f"{where} has no weight files (*.safetensors or pytorch_model*.bin)")
     headers = tensor_headers(directory, field)
 
+    vision = kind == "causal_lm" and is_vision_language(config)
     auto = AutoModelForCausalLM if kind == "causal_lm" else AutoModelForSequenceClassification
+    if vision:  # a vision-language policy: its processor must load, as the trainer loads it
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        auto = AutoModelForImageTextToText
+        try:
+            AutoProcessor.from_pretrained(directory)
+        except Exception as err:
+            raise ConfigError(f"{where}: a vision-language model ({config.model_type}) whose processor does not "
+                              f"load: {type(err).__name__}: {err}") from err
     try:
         with torch.device("meta"):
             model = auto.from_config(config)
@@ -278,7 +290,10 @@ def inspect_checkpoint(directory: Path, kind: Kind, field: str) -> CheckpointFac
         raise ConfigError(
             f"{where}: cannot build a {auto.__name__} from its config: {type(err).__name__}: {err}"
         ) from err
-    _check_weights_match(model, config, headers, where)
+    if vision:
+        _check_weights_size(model, headers, where)
+    else:
+        _check_weights_match(model, config, headers, where)
 
     num_labels = getattr(config, "num_labels", None) if kind == "reward_model" else None
     dtypes = Counter(dtype for _, dtype in headers.values())
@@ -290,12 +305,13 @@ def inspect_checkpoint(directory: Path, kind: Kind, field: str) -> CheckpointFac
         dtype=dtypes.most_common(1)[0][0],
         weight_bytes=sum(p.stat().st_size for p in weight_files(directory)),
         weight_files=[p.name for p in weight_files(directory)],
-        vocab_size=getattr(config, "vocab_size", None),
+        vocab_size=getattr(config.get_text_config(), "vocab_size", None),
         tokenizer_class=type(tokenizer).__name__,
         pad_token=tokenizer.pad_token,
         eos_token=tokenizer.eos_token,
         has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
         num_labels=num_labels,
+        vision_language=vision,
     )
 
 
@@ -324,6 +340,20 @@ def _check_weights_match(model, config, headers: dict[str, tuple[tuple[int, ...]
         )
     if mismatched:
         raise ConfigError(f"{where}: weight shapes do not match the config: {mismatched[:3]}")
+
+
+def _check_weights_size(model, headers: dict[str, tuple[tuple[int, ...], str]], where: str) -> None:
+    """A vision-language checkpoint's weights hold as many elements as its config's model. Names are not compared:
+    transformers saves these models under their original layout (`language_model.model.*`) and renames the keys as
+    it loads them (its conversion mapping, internal and release-specific)."""
+    model.tie_weights()  # from_config leaves a tied head a parameter of its own; from_pretrained ties it
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    buffers = [v for k, v in model.state_dict().items() if k not in names]  # persistent buffers
+    expected = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in buffers)  # tied weights once
+    held = sum(_numel(shape) for name, (shape, _) in headers.items() if not _BENIGN_EXTRA.search(name))
+    if held != expected:
+        raise ConfigError(f"{where}: weights hold {held:,} elements and a {type(model).__name__} of its config has "
+                          f"{expected:,}; is this the right checkpoint for its config?")
 
 
 # Buffers some older checkpoints saved that current models recompute; harmless when present.

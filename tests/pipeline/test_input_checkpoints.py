@@ -139,3 +139,31 @@ def test_reward_functions_must_import_and_return_floats(qwen2_model, probe_data)
 def words(completions, **_):
     """A broken reward function: text instead of scores."""
     return [c.split()[0] if c.split() else "" for c in completions]
+
+
+def test_a_vision_language_checkpoint_is_ingested_as_a_policy(tmp_path):
+    """Its weights are saved under the original layout (`language_model.model.*`, renamed as transformers loads
+    them), so they are checked by size; its processor must load, as the trainer loads it."""
+    from transformers import AutoModelForImageTextToText
+
+    from rloo_engine.testing.tiny_vlm import build_vlm
+
+    vlm = build_vlm(tmp_path / "llava", "llava")
+    facts = inspect_checkpoint(vlm, "causal_lm", "sft.source")
+    model = AutoModelForImageTextToText.from_pretrained(vlm)
+    assert (facts.architecture, facts.model_type, facts.vision_language) == ("LlavaForConditionalGeneration",
+                                                                             "llava", True)
+    assert facts.num_parameters == model.num_parameters()  # the tied head once
+    assert facts.vocab_size == model.config.text_config.vocab_size
+    wrong = Path(shutil.copytree(vlm, tmp_path / "wrong"))
+    config = json.loads((wrong / "config.json").read_text())
+    config["text_config"]["intermediate_size"] *= 2
+    (wrong / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"sft.source: .*wrong: weights hold [\d,]+ elements and a "
+                                          r"LlavaForConditionalGeneration of its config has [\d,]+"):
+        inspect_checkpoint(wrong, "causal_lm", "sft.source")
+    (wrong / "config.json").write_text((vlm / "config.json").read_text())
+    (wrong / "processor_config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"sft.source: .* a vision-language model \(llava\) whose processor does "
+                                          "not load"):
+        inspect_checkpoint(wrong, "causal_lm", "sft.source")
