@@ -167,7 +167,7 @@ class RLOOTrainer(TrainerBookkeeping):
         self.state = self.reward_context.state  # transformers' TrainerState: global_step, log_history, ...
         self.evaluation = PeriodicEvaluation(eval_datasets, cfg, self.acc, self.tokenizer, self.feed.render,
                                              self.total_steps)
-        self.callbacks = EngineCallbacks(self.inputs.callbacks, self.policy, self.tokenizer, self.optimizer,
+        self.callbacks = EngineCallbacks(self.inputs.callbacks, self.policy, self.processing_class, self.optimizer,
                                          self.scheduler)
         self.callbacks.event("on_init_end", cfg, self.state)
 
@@ -478,7 +478,7 @@ class RLOOTrainer(TrainerBookkeeping):
         self.feed.drain()  # a batch the run turned out not to need: the server must finish it first
         if getattr(self.backend, "serves_after_training", False) and self.synced_step != self.global_step:
             self._sync_backend()  # a server outlives the run: leave it serving the trained policy
-        final = ckpt.save_final(self.acc, self.policy, self.tokenizer, out, self._fresh_policy,
+        final = ckpt.save_final(self.acc, self.policy, self.processing_class, out, self._fresh_policy,
                                 save_merged=c.save_merged_model)
         self.logger.finish_run()
         self.callbacks.event("on_train_end", c, self.state)

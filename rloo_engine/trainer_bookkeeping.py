@@ -24,11 +24,17 @@ from rloo_engine.run.continuity import config_snapshot
 class TrainerBookkeeping:
     """Methods of RLOOTrainer that keep its records; they read the trainer's attributes (set in its __init__)."""
 
+    @property
+    def processing_class(self):
+        """TRL's name: what is saved beside the model, a vision-language model's processor (its tokenizer, image
+        processor and chat template) or the tokenizer."""
+        return self.processor or self.tokenizer
+
     def save_model(self, output_dir: str | None = None) -> Path:
         """TRL's `save_model`: the policy (a LoRA run: its adapter) and tokenizer in HF format, into `output_dir`
         (default: the config's); every process must call it."""
         out = Path(output_dir or self.cfg.output_dir)
-        ckpt.save_model_files(self.acc, self.policy, self.tokenizer, out)
+        ckpt.save_model_files(self.acc, self.policy, self.processing_class, out)
         return out
 
     def _callback_flags(self, control) -> dict[str, bool]:
@@ -141,7 +147,7 @@ class TrainerBookkeeping:
     def _save(self) -> None:
         rank_state = {"batch": self.batch.state_dict() if self.batch is not None else None, "cursor": self.cursor,
                       "window": dict(self.window)}
-        ckpt.save_checkpoint(self.acc, self.policy, self.tokenizer, self.cfg.output_dir, self.global_step,
+        ckpt.save_checkpoint(self.acc, self.policy, self.processing_class, self.cfg.output_dir, self.global_step,
                              self._trainer_state(), rank_state, self.cfg.save_total_limit)
 
     def _maybe_resume(self) -> int:

@@ -118,6 +118,13 @@ class VisionRows:
                 "own_positions": self.own_positions}
 
 
+def placeholder_token_ids(config: Any) -> list[int]:
+    """The ids that stand for an image's (or a video's) features in a prompt. Generation suppresses them, as TRL
+    does: a sampled one would have no features to match, and the next forward of the row fails."""
+    ids = [getattr(config, name, None) for name in ("image_token_id", "video_token_id")]
+    return [i for i in ids if isinstance(i, int)]
+
+
 def numbers_own_positions(model: torch.nn.Module) -> bool:
     """Whether the model computes its positions from the images (a multimodal rotary index, Qwen2-VL's
     `get_rope_index`): 1-D position_ids would then be wrong."""
@@ -193,7 +200,8 @@ def vision_processor(processing_class: Any, cfg: Any, given: torch.nn.Module | N
                           "engine generates with images through HF generate only for now: set use_vllm false")
     say(f"rloo-engine: {config.model_type} is a vision-language model: its prompts generate with HF generate on G "
         "copies of each prompt, and every row's prompt runs whole in the log-prob passes (the shared prefill, "
-        "fused_decode and share_prompt_forward split a text decoder's cache, not a vision tower's inputs)")
+        "fused_decode and share_prompt_forward split a text decoder's cache, not a vision tower's inputs); its "
+        "image tokens are suppressed while sampling, as TRL does, so pi_old comes from a forward pass")
     if hasattr(processing_class, "image_processor"):
         return processing_class
     try:

@@ -16,7 +16,7 @@ from rloo_engine.generation.base import Rollout, SamplingParams
 from rloo_engine.generation.fused_decode import FusedDecoder, decode_step_difference, unsupported_reason
 from rloo_engine.generation.kv_cache import cache_keyword, sequence_major_cache
 from rloo_engine.generation.sampling import PROCESSOR_KWARGS, TokenSampler
-from rloo_engine.vision import encode_prompts, numbers_own_positions
+from rloo_engine.vision import encode_prompts, numbers_own_positions, placeholder_token_ids
 
 
 class SampledTokenLogProbs(LogitsProcessor):
@@ -75,6 +75,8 @@ def record_decoding_logprobs(cfg, policy) -> bool:
     if not cfg.logprobs_from_generation:
         return False
     used = logit_processors_in_use(policy.generation_config, cfg.generation_kwargs)
+    if placeholder_token_ids(policy.config):
+        used.append("suppress_tokens (a vision-language model's image tokens)")
     if used and cfg.sampling_logprobs == "generation":
         raise ConfigError(
             f"sampling_logprobs: 'generation' with logits processors {', '.join(used)}: decoding log-probs would "
@@ -187,10 +189,12 @@ class HFGenerationBackend:
                 else:
                     # Greedy generate (our sampler) repeats no rows itself; HF sampling does, num_return_sequences.
                     copies = num_generations if self.own_sampler or vision is not None else 1
-                    pixels = {} if vision is None else vision.model_kwargs(prompt_ids.size(1))
+                    kwargs = self._generation_kwargs(num_generations // copies, recorder)
+                    if vision is not None:  # the rows' pixels; a sampled image token would have none (as TRL)
+                        kwargs.update(vision.model_kwargs(prompt_ids.size(1)), suppress_tokens=sorted(
+                            {*(kwargs.get("suppress_tokens") or ()), *placeholder_token_ids(model.config)}))
                     sequences = model.generate(input_ids=prompt_ids.repeat_interleave(copies, 0),
-                                               attention_mask=prompt_mask.repeat_interleave(copies, 0), **pixels,
-                                               **self._generation_kwargs(num_generations // copies, recorder))
+                                               attention_mask=prompt_mask.repeat_interleave(copies, 0), **kwargs)
         finally:
             model.train(was_training)
         prompt_ids = prompt_ids.repeat_interleave(num_generations, 0)

@@ -25,6 +25,7 @@ from rloo_engine.config_base import ConfigError
 from rloo_engine.run.fault_injection import CRASH_ENV, CRASH_EXIT_CODE
 from rloo_engine.testing.tiny_vlm import build_vlm, image
 from rloo_engine.trainer import RLOOTrainer
+from rloo_engine.vision import encode_prompts, numbers_own_positions
 from tests.engine.helpers import read_metrics
 
 G = 4
@@ -144,6 +145,8 @@ def test_a_vlm_starts_at_kl_0_and_resumes_exactly_after_a_crash(family, vlms, tm
     monkeypatch.delenv(CRASH_ENV)
     train(model, tmp_path / "b", resume="latest")
 
+    for saved in (tmp_path / "a" / "final", tmp_path / "b" / "checkpoint-2"):  # the processor beside the model
+        assert type(AutoProcessor.from_pretrained(saved)) is type(AutoProcessor.from_pretrained(model))
     a = AutoModelForImageTextToText.from_pretrained(tmp_path / "a" / "final")
     b = AutoModelForImageTextToText.from_pretrained(tmp_path / "b" / "final")
     before = AutoModelForImageTextToText.from_pretrained(model)
@@ -221,24 +224,46 @@ def test_the_readme_vlm_example_runs(llava, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
-def test_the_log_probs_recorded_while_decoding_are_the_forwards_with_left_padding(family, vlms, tmp_path):
-    """pi_old from decoding (sampling_logprobs auto) must be what the training forward computes, rows of different
-    prompt lengths left-padded: positions and pixel inputs as generate had them (Qwen: its rotary index)."""
+def test_the_forward_sees_each_token_as_generation_did_with_left_padding(family, vlms, tmp_path):
+    """The log-prob passes must compute what `generate` computed when it drew each token, rows of different prompt
+    lengths left-padded: the same positions (Qwen: its rotary index from the images) and pixel inputs. Compared on
+    generate's raw logits (before any processor), so the image-token suppression does not enter."""
     from rloo_engine.logprobs import batched_token_logps
 
     rows = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"picture {k} " + "the cat sat " * k}],
                                         "image": image(k, SIDE)} for k in range(8)])
     trainer = RLOOTrainer(model=str(vlms(family)), reward_funcs=picture_number, train_dataset=rows,
-                          args=args(tmp_path / "out", sampling_logprobs="auto", per_device_train_batch_size=16,
-                                    steps_per_generation=1, num_iterations=1, max_steps=1))
-    rollout = trainer.feed.rollout(trainer.feed.take(lambda: 0))
-    assert rollout.sampling_logps is not None  # recorded while decoding
-    assert len(set(rollout.prompt_mask.sum(1).tolist())) == 4  # four prompt lengths, left-padded
+                          args=args(tmp_path / "out", per_device_train_batch_size=16, steps_per_generation=1,
+                                    num_iterations=1, max_steps=1))
+    draw = trainer.feed.take(lambda: 0)
     policy = trainer.acc.unwrap_model(trainer.policy).eval()
-    forward = batched_token_logps(policy, torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
-                                  torch.cat([rollout.prompt_mask, rollout.completion_mask], 1),
-                                  rollout.prompt_ids.size(1), 1.0, 4, vision=rollout.vision)
-    assert ((forward - rollout.sampling_logps) * rollout.completion_mask).abs().max() < 1e-5
+    ids, mask, vision = encode_prompts(trainer.processor, draw.rendered, draw.images, None,
+                                       numbers_own_positions(policy))
+    assert len(set(mask.sum(1).tolist())) == 4  # four prompt lengths, left-padded
+    out = policy.generate(input_ids=ids, attention_mask=mask, **vision.model_kwargs(ids.size(1)), do_sample=True,
+                          max_new_tokens=6, min_new_tokens=6, output_logits=True, return_dict_in_generate=True,
+                          pad_token_id=trainer.tokenizer.pad_token_id)
+    completion = out.sequences[:, ids.size(1):]
+    raw = torch.stack(out.logits, 1).log_softmax(-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+    forward = batched_token_logps(policy, out.sequences, torch.cat([mask, torch.ones_like(completion)], 1),
+                                  ids.size(1), 1.0, 4, vision=vision)
+    assert (forward - raw).abs().max() < 1e-5
+
+
+def test_a_sampled_image_token_is_suppressed_as_trl_does(llava, tmp_path, capfd):
+    """A token that stands for an image's features, sampled in a completion, has no features: the next forward of
+    that row failed ("Image features and image tokens do not match"). Generation suppresses it, so pi_old comes
+    from a forward pass (sampling_logprobs auto; 'generation' is refused by name)."""
+    image_token = AutoProcessor.from_pretrained(llava).tokenizer.convert_tokens_to_ids("<image>")
+    favour = {"generation_kwargs": {"sequence_bias": [[[image_token], 50.0]]}}  # sampled nearly always, unsuppressed
+    trainer = train(llava, tmp_path / "out", max_steps=1, save_steps=0, steps_per_generation=1, num_iterations=1,
+                    sampling_logprobs="auto", **favour)
+    assert "image tokens are suppressed while sampling" in capfd.readouterr().err
+    completions = trainer.batch.input_ids[:, trainer.batch.prompt_length:]
+    assert not (completions == image_token).any()
+    with pytest.raises(ConfigError, match=r"sampling_logprobs: 'generation' with logits processors .*suppress_tokens "
+                                          r"\(a vision-language model's image tokens\)"):
+        train(llava, tmp_path / "gen", max_steps=1, save_steps=0, sampling_logprobs="generation")
 
 
 @pytest.mark.parametrize("log_multimodal", [True, False])
