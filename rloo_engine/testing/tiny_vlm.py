@@ -47,16 +47,17 @@ def image(seed: int = 0, side: int = IMAGE_SIDE) -> Image.Image:
     return Image.fromarray(pixels, "RGB")
 
 
-def build_vlm(out_dir: str | Path, family: str = "llava", hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
+def build_vlm(out_dir: str | Path, family: str = "llava", hidden: int = 64, layers: int = 2, seed: int = 0,
+              texts: list[str] | None = None) -> Path:
     """Saves a random-init `family` VLM with its processor (tokenizer, image processor, chat template) to `out_dir`;
     it loads with `AutoModelForImageTextToText` and `AutoProcessor`. Attention heads of 32 dimensions (vLLM's CPU
-    attention needs at least 32)."""
+    attention needs at least 32). `texts`: what the tokenizer is trained on (default: the tiny models' corpus)."""
     from transformers import AutoModelForImageTextToText
 
     if family not in FAMILIES:
         raise ValueError(f"family: {family!r}; expected one of {', '.join(FAMILIES)}")
     build = _llava if family == "llava" else _qwen_vl
-    config, processor = build(family, hidden, layers)
+    config, processor = build(family, hidden, layers, texts)
     tok = processor.tokenizer
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config)
@@ -76,10 +77,10 @@ def _text_config(tok, hidden: int, layers: int, **extra) -> dict:
                 tie_word_embeddings=True, **extra)
 
 
-def _llava(family: str, hidden: int, layers: int):
+def _llava(family: str, hidden: int, layers: int, texts: list[str] | None):
     from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaProcessor
 
-    tok = train_tokenizer(chat_template=VLM_CHAT_TEMPLATE, extra_specials=(IMAGE_TOKEN,))
+    tok = train_tokenizer(texts, chat_template=VLM_CHAT_TEMPLATE, extra_specials=(IMAGE_TOKEN,))
     vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=1, image_size=IMAGE_SIDE, patch_size=14, projection_dim=32)
     config = LlavaConfig(text_config=_text_config(tok, hidden, layers, model_type="llama"), vision_config=vision,
@@ -93,7 +94,7 @@ def _llava(family: str, hidden: int, layers: int):
     return config, processor
 
 
-def _qwen_vl(family: str, hidden: int, layers: int):
+def _qwen_vl(family: str, hidden: int, layers: int, texts: list[str] | None):
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2VLConfig,
@@ -102,7 +103,7 @@ def _qwen_vl(family: str, hidden: int, layers: int):
         Qwen2VLVideoProcessor,
     )
 
-    tok = train_tokenizer(chat_template=QWEN_TEMPLATE, extra_specials=QWEN_SPECIALS)
+    tok = train_tokenizer(texts, chat_template=QWEN_TEMPLATE, extra_specials=QWEN_SPECIALS)
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
     text = _text_config(tok, hidden, layers, rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]})  # sums to head_dim / 2
