@@ -167,3 +167,24 @@ def test_a_vision_language_checkpoint_is_ingested_as_a_policy(tmp_path):
     with pytest.raises(ConfigError, match=r"sft.source: .* a vision-language model \(llava\) whose processor does "
                                           "not load"):
         inspect_checkpoint(wrong, "causal_lm", "sft.source")
+
+
+def image_path_length(completions, image, **kwargs) -> list[float]:
+    """A reward function of the VLM probe test: it reads the dataset's `image` column, as TRL passes it."""
+    return [float(len(path)) for path in image]
+
+
+def test_the_reward_check_probes_with_a_vision_language_policy_and_image_rows(tmp_path):
+    from rloo_engine.testing.tiny_vlm import build_vlm, image
+
+    vlm = build_vlm(tmp_path / "llava", "llava")
+    rows = []
+    for k in range(8):
+        path = tmp_path / f"picture-{'x' * k}.png"
+        image(k).save(path)
+        rows.append({"prompt": [{"role": "user", "content": f"picture {k}"}], "image": str(path)})
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reward = reward_section(functions=[f"{__name__}:image_path_length"])
+    stats, table = probe_rewards(reward, DataSection(train_prompts=str(data), eval_prompts=str(data)), str(vlm), None)
+    assert stats["image_path_length"].n_scored == 8 and stats["image_path_length"].std > 0  # each row's own image
