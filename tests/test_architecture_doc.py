@@ -64,7 +64,7 @@ def test_the_engine_root_holds_the_loop_the_math_config_data_models_rewards_and_
         "math": {"algorithm"},
         "config": {"config", "config_base", "config_docs", "config_model_options", "config_vllm_options",
                    "config_eval_options", "import_paths", "trl_fields"},
-        "data": {"data"},
+        "data": {"data", "vision"},
         "models": {"models"},
         "rewards": {"reward_sources", "reward_functions", "reward_context"},
         "cli": {"__init__", "__main__", "cli", "argparsing", "exit_codes", "lifetime", "services"},

@@ -1,8 +1,9 @@
 """SQLite judgment cache: one row per judged SlotPair, written the moment the judgment returns.
 
 The key hashes the judge identity (backend, model, template hash, decoding parameters) with the
-prompt and both answers in their slots, so the order is part of the key, and with the prompt's reference
-answer when a reference-guided template shows one. WAL mode with one commit
+prompt and both answers in their slots, so the order is part of the key, with the prompt's reference
+answer when a reference-guided template shows one, and with the references of the prompt's images when it has
+any (the judge sees text only; the same text over another image is another judgment). WAL mode with one commit
 per row means a crash loses only the judgments still in flight, and readers (another run, a
 progress monitor) never block the writer. The judge's raw replies are stored, so verdicts can be
 re-parsed offline. `api_error` judgments are not stored: a rerun should try them again.
@@ -52,12 +53,14 @@ CREATE TABLE IF NOT EXISTS judgments (
     served_model TEXT,
     parser_version INTEGER,
     slot_a_probability REAL,
-    reference TEXT
+    reference TEXT,
+    images TEXT
 )
 """
 # Columns that caches written by older versions lack, added on open (nothing else changes): the Batch API
 # token counts (their judgments were all live), the served model id, the parser version (unknown: NULL,
-# so their parse_errors are parsed again), the soft verdict and the reference answer (none: NULL).
+# so their parse_errors are parsed again), the soft verdict, the reference answer and the image references
+# (none: NULL).
 _ADDED_COLUMNS = {
     "batch_prompt_tokens": "INTEGER NOT NULL DEFAULT 0",
     "batch_completion_tokens": "INTEGER NOT NULL DEFAULT 0",
@@ -65,11 +68,12 @@ _ADDED_COLUMNS = {
     "parser_version": "INTEGER",
     "slot_a_probability": "REAL",
     "reference": "TEXT",
+    "images": "TEXT",
 }
 _ROW_COLUMNS = (
     "key, backend, model, template_hash, identity, prompt, answer_a, answer_b, status, verdict, raw_texts, "
     "prompt_tokens, completion_tokens, requests, error, created_at, batch_prompt_tokens, batch_completion_tokens, "
-    "served_model, parser_version, slot_a_probability, reference"
+    "served_model, parser_version, slot_a_probability, reference, images"
 )
 BATCH_SCHEMA = """
 CREATE TABLE IF NOT EXISTS batches (
@@ -87,10 +91,13 @@ CREATE TABLE IF NOT EXISTS batches (
 
 def cache_key(identity: dict[str, Any], pair: SlotPair) -> str:
     """SHA-256 of the judge identity and the pair as shown (prompt, slot A answer, slot B answer, and the
-    reference answer when there is one: a pair without one keeps the key it had before references existed)."""
-    shown = {"prompt": pair.prompt, "answer_a": pair.answer_a, "answer_b": pair.answer_b}
+    reference answer when there is one), with the prompt's image references when it has images. A pair without a
+    reference or images keeps the key it had before those existed."""
+    shown: dict[str, Any] = {"prompt": pair.prompt, "answer_a": pair.answer_a, "answer_b": pair.answer_b}
     if pair.reference is not None:
         shown["reference"] = pair.reference
+    if pair.images:
+        shown["images"] = list(pair.images)
     payload = json.dumps({"judge": identity, **shown}, sort_keys=True, ensure_ascii=False)
     # surrogatepass: a lone surrogate (half an emoji) gets a key of its own instead of an UnicodeEncodeError.
     return hashlib.sha256(payload.encode("utf-8", "surrogatepass")).hexdigest()
@@ -179,7 +186,7 @@ class JudgmentCache:
             self._identity_json = (identity, json.dumps(identity, sort_keys=True))
         self._conn.execute(
             # Columns named: a migrated cache has the added ones in another order than a new one.
-            f"INSERT OR REPLACE INTO judgments ({_ROW_COLUMNS}) VALUES ({','.join('?' * 22)})",
+            f"INSERT OR REPLACE INTO judgments ({_ROW_COLUMNS}) VALUES ({','.join('?' * 23)})",
             (
                 key,
                 identity["backend"],
@@ -203,6 +210,7 @@ class JudgmentCache:
                 j.parser_version,
                 j.slot_a_probability,
                 pair.reference,
+                json.dumps(list(pair.images), ensure_ascii=False) if pair.images else None,
             ),
         )
 

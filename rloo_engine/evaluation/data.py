@@ -1,9 +1,9 @@
 """Eval prompts and completions: loading, stable prompt ids, and the completions JSONL format.
 
-A prompt id is a hash of the prompt itself, so the same prompt has the same id in every file, run
-and model, and completions from different sources line up without relying on row order.
-Completions JSONL rows are `{"prompt_id", "prompt", "completion"}`; files written elsewhere may
-leave out either `prompt_id` or `prompt`.
+A prompt id is a hash of the prompt itself (with its image references when it has images, `images.py`), so the
+same prompt has the same id in every file, run and model, and completions from different sources line up without
+relying on row order. Completions JSONL rows are `{"prompt_id", "prompt", "completion"}`, with `images` (the
+references) for a prompt with images; files written elsewhere may leave out either `prompt_id` or `prompt`.
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ import hashlib
 import json
 import logging
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rloo_engine.config_base import ConfigError
+from rloo_engine.evaluation.images import PromptImages, has_images, load_row_images
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +27,7 @@ Prompt = str | list[dict[str, Any]]  # plain text, or chat messages [{"role": ..
 # JSON can spell half of a UTF-16 pair ("\ud83d"): json.loads gives a str no UTF-8 encoder accepts.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+NO_IMAGES = PromptImages((), ())
 
 
 @dataclass(frozen=True)
@@ -33,11 +36,18 @@ class EvalPrompt:
     prompt: Prompt
     reference: str | None = None  # the reference completion (a side of the *_vs_reference pairings)
     reference_answer: str | None = None  # the gold answer a reference-guided judge template is shown
+    # References of the prompt's images (images.py): in its id and its judge cache keys; the judge sees text only.
+    images: tuple[str, ...] = ()
+    image_sources: tuple[Any, ...] = field(default=(), compare=False, repr=False)  # what generation opens
 
 
-def prompt_id(prompt: Prompt) -> str:
-    """Stable id of a prompt: the first 16 hex digits of the SHA-256 of its text (or canonical JSON of its messages)."""
+def prompt_id(prompt: Prompt, images: Sequence[str] = ()) -> str:
+    """Stable id of a prompt: the first 16 hex digits of the SHA-256 of its text (or canonical JSON of its messages),
+    or, for a prompt with images, of the canonical JSON of the prompt and its image references (a prompt without
+    images keeps the id it had before images existed)."""
     canonical = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+    if images:
+        canonical = json.dumps({"prompt": prompt, "images": list(images)}, sort_keys=True, ensure_ascii=False)
     # surrogatepass: loaded text never holds a lone surrogate (see `without_lone_surrogates`), others' may.
     return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
@@ -62,7 +72,15 @@ def prompt_text(prompt: Prompt) -> str:
     """The prompt as the judge sees it: the text itself, or `role: content` paragraphs for chat messages."""
     if isinstance(prompt, str):
         return prompt
-    return "\n\n".join(f"{m.get('role', 'user')}: {m.get('content', '')}" for m in prompt)
+    return "\n\n".join(f"{m.get('role', 'user')}: {_shown_content(m.get('content', ''))}" for m in prompt)
+
+
+def _shown_content(content: Any) -> Any:
+    """A message's content as the judge sees it: content parts holding an image item (TRL's multimodal messages)
+    as their text parts, since the judge sees text only; any other content as it is, so its keys stay."""
+    if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image" for p in content):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return content
 
 
 def _check_prompt(value: Any, where: str) -> Prompt:
@@ -165,8 +183,10 @@ def load_prompts(
     reference_answer_column: str | None = None,
     max_prompts: int | None = None,
 ) -> list[EvalPrompt]:
-    """Loads the eval prompt set, dropping repeated prompts (one id per prompt) with a warning."""
+    """Loads the eval prompt set, dropping repeated prompts (one id per prompt) with a warning. A row's `image` or
+    `images` are opened here, so a broken image fails before any model loads."""
     rows = _read_rows(source, split)
+    image_dir = Path(source).parent if Path(source).is_file() else None  # relative image paths start here
     prompts: list[EvalPrompt] = []
     seen: set[str] = set()
     for i, row in enumerate(rows):
@@ -179,11 +199,12 @@ def load_prompts(
         reference_answer = _optional_text(row, i, "reference_answer_column", reference_answer_column, source)
         if reference_answer is not None and not reference_answer.strip():
             reference_answer = None  # a blank gold answer is no answer: counted as missing, never shown empty
-        pid = prompt_id(prompt)
+        pictures = load_row_images(row, image_dir, f"prompts: {source} row {i}") if has_images(row) else NO_IMAGES
+        pid = prompt_id(prompt, pictures.references)
         if pid in seen:
             continue
         seen.add(pid)
-        prompts.append(EvalPrompt(pid, prompt, reference, reference_answer))
+        prompts.append(EvalPrompt(pid, prompt, reference, reference_answer, pictures.references, pictures.sources))
         if max_prompts is not None and len(prompts) >= max_prompts:
             break
     if len(prompts) < len(rows) and max_prompts is None:
@@ -206,6 +227,14 @@ def _optional_text(row: dict[str, Any], i: int, field: str, column: str | None, 
     return value
 
 
+def _image_references(row: dict[str, Any], path: str | Path, lineno: int) -> list[str]:
+    references = row.get("images") or []
+    if not isinstance(references, list) or not all(isinstance(r, str) for r in references):
+        raise ConfigError(f"{path}:{lineno}: images {str(references)[:80]!r}; expected a list of image references "
+                          "(the paths or sha256: hashes an evaluation writes)")
+    return references
+
+
 def save_completions(path: str | Path, prompts: list[EvalPrompt], completions: dict[str, str]) -> Path:
     """Writes `{prompt_id, prompt, completion}` rows (in prompt order) to a JSONL file, atomically."""
     p = Path(path)
@@ -215,13 +244,16 @@ def save_completions(path: str | Path, prompts: list[EvalPrompt], completions: d
         for ep in prompts:
             if ep.prompt_id in completions:
                 row = {"prompt_id": ep.prompt_id, "prompt": ep.prompt, "completion": completions[ep.prompt_id]}
+                if ep.images:
+                    row["images"] = list(ep.images)
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
     tmp.replace(p)
     return p
 
 
 def load_completions(path: str | Path) -> dict[str, str]:
-    """`{prompt_id: completion}` from a completions JSONL file; ids are recomputed from `prompt` when present.
+    """`{prompt_id: completion}` from a completions JSONL file; ids are recomputed from `prompt` (and `images`, the
+    image references of a prompt with images) when present.
 
     Refuses an empty file and a prompt id given twice (naming both lines): silently keeping one of
     two completions would change the result depending on row order.
@@ -234,7 +266,8 @@ def load_completions(path: str | Path) -> dict[str, str]:
                 f"{path}:{lineno}: no text `completion` field; expected {{prompt or prompt_id, completion}}"
             )
         if "prompt" in row:
-            pid = prompt_id(_check_prompt(row["prompt"], f"{path}:{lineno} prompt"))
+            prompt = _check_prompt(row["prompt"], f"{path}:{lineno} prompt")
+            pid = prompt_id(prompt, _image_references(row, path, lineno))
             if "prompt_id" in row and row["prompt_id"] != pid:
                 raise ConfigError(
                     f"{path}:{lineno}: prompt_id {row['prompt_id']!r} does not match the hash of its prompt ({pid}); "

@@ -1,4 +1,5 @@
-"""Loading local causal LMs for generation and the hf judge, and fingerprinting model weights.
+"""Loading local causal LMs and vision-language models for generation and the hf judge, and fingerprinting model
+weights.
 
 torch and transformers are imported inside the functions, so an evaluation that only reads
 completion files and calls an HTTP judge never pays for importing them.
@@ -42,6 +43,42 @@ def load_causal_lm(path: str, dtype: str, device: str, field: str) -> tuple[Any,
         tokenizer.pad_token = tokenizer.eos_token
     model.to(resolve_device(device)).eval()
     return model, tokenizer
+
+
+def model_config(path: str) -> Any | None:
+    """The model's `AutoConfig`; None when it does not load (the model's own load then says what is wrong)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def is_vision_language_model(path: str) -> bool:
+    """Whether `path` is a model `AutoModelForImageTextToText` loads (LLaVA, Qwen2-VL, ...)."""
+    from rloo_engine.vision import is_vision_language
+
+    config = model_config(path)
+    return config is not None and is_vision_language(config)
+
+
+def load_vision_language_model(path: str, dtype: str, device: str, field: str) -> tuple[Any, Any]:
+    """(model, processor) of a vision-language model, in eval mode on `device`; errors name `field`."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(path)
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=resolve_dtype(dtype))
+    except (OSError, ValueError, TypeError) as err:
+        raise ConfigError(
+            f"{field}: cannot load {path!r} as a vision-language model (AutoModelForImageTextToText and its "
+            f"AutoProcessor): {err}"
+        ) from None
+    if processor.tokenizer.pad_token is None:
+        processor.tokenizer.pad_token = processor.tokenizer.eos_token
+    model.to(resolve_device(device)).eval()
+    return model, processor
 
 
 def weights_fingerprint(path: str) -> str:

@@ -40,11 +40,12 @@ class PairItem:
     completion_b: str
     orders: tuple[Order, ...]  # () when the completions are identical
     reference: str | None = None  # the gold answer a reference-guided template shows; None without one
+    images: tuple[str, ...] = ()  # the prompt's image references: in the cache key, not shown to the judge
 
     def slot_pair(self, order: Order) -> SlotPair:
         if order == "ab":
-            return SlotPair(self.prompt, self.completion_a, self.completion_b, self.reference)
-        return SlotPair(self.prompt, self.completion_b, self.completion_a, self.reference)
+            return SlotPair(self.prompt, self.completion_a, self.completion_b, self.reference, self.images)
+        return SlotPair(self.prompt, self.completion_b, self.completion_a, self.reference, self.images)
 
 
 @dataclass
@@ -133,9 +134,11 @@ def build_items(
     order_mode: str,
     seed: int,
     reference_answers: dict[str, str] | None = None,
+    images: dict[str, tuple[str, ...]] | None = None,
 ) -> tuple[list[PairItem], int]:
     """(items, n_missing) for `prompts` as (prompt_id, prompt text); prompts lacking either completion are counted.
-    `reference_answers` ({prompt_id: gold answer}) go with the items for a reference-guided template."""
+    `reference_answers` ({prompt_id: gold answer}) go with the items for a reference-guided template, `images`
+    ({prompt_id: image references}) for the cache key."""
     items, missing = [], 0
     for pid, text in prompts:
         a, b = side_a.get(pid), side_b.get(pid)
@@ -144,5 +147,6 @@ def build_items(
             continue
         orders = () if a == b else orders_for(pid, order_mode, seed)
         reference = reference_answers.get(pid) if reference_answers is not None else None
-        items.append(PairItem(pairing, pid, text, a, b, orders, reference))
+        pictures = images.get(pid, ()) if images is not None else ()
+        items.append(PairItem(pairing, pid, text, a, b, orders, reference, pictures))
     return items, missing

@@ -7,7 +7,7 @@ import importlib.util
 
 from rloo_engine.config_base import ConfigError
 from rloo_engine.evaluation.config import EvalConfig
-from rloo_engine.evaluation.data import load_completions, load_prompts
+from rloo_engine.evaluation.data import EvalPrompt, load_completions, load_prompts
 from rloo_engine.evaluation.judges import read_api_key
 from rloo_engine.evaluation.templates import JudgeTemplate, load_template
 from rloo_engine.import_paths import load_callable
@@ -58,6 +58,19 @@ def check_template_fits(cfg: EvalConfig, template: JudgeTemplate | None) -> None
         )
 
 
+def check_image_generation(cfg: EvalConfig, prompts: list[EvalPrompt]) -> None:
+    """Eval prompts with images, for a side generated with vLLM or from a text-only model: refused before any model
+    loads (a model path that does not load yet, e.g. the policy before training, is checked when it generates)."""
+    if not any(ep.images for ep in prompts):
+        return
+    from rloo_engine.evaluation.generate import check_images_fit  # reads model configs with transformers
+
+    for side in ("policy", "sft"):
+        model_path = getattr(cfg, f"{side}_model_path")
+        if model_path:
+            check_images_fit(model_path, prompts, cfg.generation, field=f"{side}_model_path")
+
+
 def load_eval_prompts(cfg: EvalConfig) -> list:
     """The prompt set `cfg` names (file or dataset, split, columns, cap), as `EvalPrompt`s."""
     return load_prompts(cfg.prompts, split=cfg.split, prompt_column=cfg.prompt_column,
@@ -68,13 +81,15 @@ def load_eval_prompts(cfg: EvalConfig) -> list:
 def check_inputs(cfg: EvalConfig) -> dict[str, int]:
     """What an evaluation needs besides the models, checked before anything expensive runs (the pipeline calls
     it before training): the judge (template, key, rule), the prompt set, the references and any completions
-    files (format, duplicates, ids matching the prompts). Returns {side or "prompts": count}; raises ConfigError."""
+    files (format, duplicates, ids matching the prompts), and that prompts with images can generate. Returns
+    {side or "prompts": count}; raises ConfigError."""
     check_judge(cfg)
+    prompts = load_eval_prompts(cfg)
+    check_image_generation(cfg, prompts)  # before the vLLM install check: vLLM with images is refused anyway
     if cfg.generation.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         from rloo_engine.evaluation.generate_vllm import import_vllm
 
         import_vllm()  # raises the ConfigError that says what to install
-    prompts = load_eval_prompts(cfg)
     ids = {ep.prompt_id for ep in prompts}
     counts = {"prompts": len(prompts)}
     if cfg.reference_column:

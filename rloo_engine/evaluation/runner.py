@@ -30,7 +30,12 @@ from rloo_engine.evaluation.pairings import (
     order_score,
     winner,
 )
-from rloo_engine.evaluation.preflight import check_judge, check_reference_answers, load_eval_prompts
+from rloo_engine.evaluation.preflight import (
+    check_image_generation,
+    check_judge,
+    check_reference_answers,
+    load_eval_prompts,
+)
 from rloo_engine.evaluation.report import EvalReport, Usage, write_report, write_table
 from rloo_engine.evaluation.result_checks import (
     UntrustworthyResultError,
@@ -71,6 +76,7 @@ def run_evaluation(
 
     # 1. prompts and completions of each side
     prompts, gold_answer_counts = with_reference_answers(cfg, load_eval_prompts(cfg))
+    check_image_generation(cfg, prompts)  # both sides' refusals before either model loads
     completions, completion_paths = collect_completions(cfg, prompts, out_dir)
     generated = time.perf_counter()
 
@@ -78,13 +84,14 @@ def run_evaluation(
     names = choose_pairings(cfg.pairings, set(completions))
     texts = [(ep.prompt_id, prompt_text(ep.prompt)) for ep in prompts]
     gold = {ep.prompt_id: ep.reference_answer for ep in prompts if ep.reference_answer is not None}
+    pictures = {ep.prompt_id: ep.images for ep in prompts if ep.images}
     items: dict[str, list[PairItem]] = {}
     missing: dict[str, int] = {}
     for name in names:
         side_a, side_b = PAIRINGS[name]
         items[name], missing[name] = build_items(
             name, completions[side_a], completions[side_b], texts, cfg.order_mode, cfg.seed,
-            reference_answers=gold,
+            reference_answers=gold, images=pictures,
         )
         sources = f"{completion_paths.get(side_a, side_a)}, {completion_paths.get(side_b, side_b)}"
         check_something_to_judge(name, len(items[name]), missing[name], sources)

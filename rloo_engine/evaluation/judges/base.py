@@ -32,12 +32,15 @@ OnJudgment = Callable[[int, "Judgment"], None]
 @dataclass(frozen=True)
 class SlotPair:
     """One judge call's input: the prompt text and the answers as shown, `answer_a` in slot A, and the prompt's
-    gold answer for a reference-guided template (None for the others)."""
+    gold answer for a reference-guided template (None for the others). `images`: the references of the prompt's
+    images; judges see text only, and the references are part of the cache key, so the same text over another
+    image is another judgment."""
 
     prompt: str
     answer_a: str
     answer_b: str
     reference: str | None = None
+    images: tuple[str, ...] = ()
 
 
 @dataclass
