@@ -195,13 +195,13 @@ def vision_processor(processing_class: Any, cfg: Any, given: torch.nn.Module | N
                               f"(model_type {config.model_type!r}); images need a vision-language model, one that "
                               "AutoModelForImageTextToText loads (Qwen2-VL, LLaVA, Gemma 3, ...)")
         return None
-    if cfg.use_vllm:
-        raise ConfigError(f"use_vllm: true, and {path!r} is a vision-language model ({config.model_type}); this "
-                          "engine generates with images through HF generate only for now: set use_vllm false")
-    say(f"rloo-engine: {config.model_type} is a vision-language model: its prompts generate with HF generate on G "
-        "copies of each prompt, and every row's prompt runs whole in the log-prob passes (the shared prefill, "
-        "fused_decode and share_prompt_forward split a text decoder's cache, not a vision tower's inputs); its "
-        "image tokens are suppressed while sampling, as TRL does, so pi_old comes from a forward pass")
+    if cfg.use_vllm and cfg.vllm_mode == "server":
+        raise ConfigError(f"vllm_mode: server, and {path!r} is a vision-language model ({config.model_type}); "
+                          "images reach vLLM in colocate mode only for now: set vllm_mode colocate, or use_vllm false")
+    say(f"rloo-engine: {config.model_type} is a vision-language model: without vLLM its prompts generate with HF "
+        "generate on G copies of each prompt, and every row's prompt runs whole in the log-prob passes (the shared "
+        "prefill, fused_decode and share_prompt_forward split a text decoder's cache, not a vision tower's inputs); "
+        "its image tokens are suppressed while sampling, as TRL does, so pi_old comes from a forward pass")
     if hasattr(processing_class, "image_processor"):
         return processing_class
     try:

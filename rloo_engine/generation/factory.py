@@ -16,6 +16,7 @@ def build_backend(cfg, tokenizer, params: SamplingParams, acc, *, policy_getter,
                                  cfg.vllm_group_port, cfg.seed, cfg.vllm_structured_outputs_regex)
     if cfg.use_vllm:
         from rloo_engine.generation.vllm_colocate import ProcessLayout, VLLMColocateBackend
+        from rloo_engine.vision import numbers_own_positions
 
         layout = ProcessLayout(acc.process_index, acc.local_process_index, acc.num_processes)
         backend = VLLMColocateBackend(cfg.model_name_or_path, tokenizer, params, cfg.vllm_gpu_memory_utilization,
@@ -23,7 +24,9 @@ def build_backend(cfg, tokenizer, params: SamplingParams, acc, *, policy_getter,
                                       position_limit=position_limit, sleep_mode=cfg.vllm_enable_sleep_mode,
                                       layout=layout, max_model_length=cfg.vllm_max_model_length,
                                       structured_outputs_regex=cfg.vllm_structured_outputs_regex,
-                                      revision=cfg.model_revision, trust_remote_code=cfg.trust_remote_code)
+                                      revision=cfg.model_revision, trust_remote_code=cfg.trust_remote_code,
+                                      processor=processor,
+                                      own_positions=processor is not None and numbers_own_positions(policy_getter()))
         acc.wait_for_everyone()  # every rank's engine is up before the first collective of training
         return backend
     import torch

@@ -35,6 +35,7 @@ from rloo_engine.generation.vllm_common import (
     vllm_weight_items,
 )
 from rloo_engine.services import free_port, scoped_env
+from rloo_engine.vision import encode_prompts, placeholder_token_ids
 
 # vLLM's V1 profiler sizes its dummy batch by max_num_batched_tokens; its default (8192 and up) made the profile
 # misjudge the memory left beside a training process. TRL's colocate uses the same value.
@@ -116,7 +117,7 @@ class VLLMColocateBackend:
                  tensor_parallel_size: int = 1, seed: int = 0, dtype: str = "auto", position_limit: int | None = None,
                  sleep_mode: bool = False, layout: ProcessLayout = ProcessLayout(), max_model_length: int | None = None,
                  structured_outputs_regex: str | None = None, revision: str | None = None,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, processor=None, own_positions: bool = False):
         if sleep_mode and not torch.cuda.is_available():
             raise ConfigError("vllm_enable_sleep_mode: true needs CUDA (vLLM's sleep mode frees GPU memory); "
                               "set it false on CPU")
@@ -124,6 +125,8 @@ class VLLMColocateBackend:
         self.vllm, self.tokenizer, self.params = vllm, tokenizer, params
         self.sleep_mode, self.asleep, self.weights_discarded = sleep_mode, False, False
         self.structured_outputs_regex = structured_outputs_regex
+        # A vision-language model's: prompts with images (`generate(images=...)`); own_positions as VisionRows says
+        self.processor, self.own_positions = processor, own_positions
         self.eos_ids = list(params.eos_token_ids or (tokenizer.eos_token_id,))
         self.tp_group = tensor_parallel_group(layout, tensor_parallel_size)
         max_len = colocate_max_model_len(params, position_limit, max_model_length)
@@ -143,6 +146,9 @@ class VLLMColocateBackend:
 
     def _sampling_params(self, n: int):
         kwargs = sampling_kwargs(self.params, n, self.eos_ids, self.structured_outputs_regex)
+        if self.processor is not None:  # a sampled image token would have no features to match (as in HF, TRL)
+            placeholders = placeholder_token_ids(self.llm.llm_engine.model_config.hf_config)
+            kwargs["logit_bias"] = {**(kwargs.get("logit_bias") or {}), **{i: -100.0 for i in placeholders}}
         if isinstance(kwargs.get("structured_outputs"), dict):  # also from generation_kwargs, as TRL converts it
             from vllm.sampling_params import StructuredOutputsParams
 
@@ -150,17 +156,27 @@ class VLLMColocateBackend:
         return self.vllm.SamplingParams(**kwargs)
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], num_generations: int, add_special_tokens: bool = False) -> Rollout:
-        tok = self.tokenizer
-        ids = prompt_token_ids(tok, prompts, self.params.max_prompt_length, add_special_tokens)
-        group_ids, mine = self._group_prompts(ids)
+    def generate(self, prompts: list[str], num_generations: int, add_special_tokens: bool = False,
+                 images: list[list] | None = None) -> Rollout:
+        """`images`: each prompt's images (a vision-language model): the trainer's processor writes the prompt ids
+        with each image's placeholder tokens expanded, and vLLM gets the images beside them."""
+        tok, vision = self.tokenizer, None
+        if images is None:
+            ids = prompt_token_ids(tok, prompts, self.params.max_prompt_length, add_special_tokens)
+            requests = [{"prompt_token_ids": p} for p in ids]
+        else:
+            padded, mask, vision = encode_prompts(self.processor, prompts, images, self.params.max_prompt_length,
+                                                  self.own_positions, add_special_tokens)
+            ids = [row[m.bool()].tolist() for row, m in zip(padded, mask)]
+            requests = [{"prompt_token_ids": p, **({"multi_modal_data": {"image": i}} if i else {})}
+                        for p, i in zip(ids, images)]
+        group_requests, mine = self._group_prompts(requests)
         if self.sleep_mode:
             if self.weights_discarded:  # level 2 dropped them; only a sync brings weights back
                 raise RuntimeError("vLLM colocate: generate after sleep(level=2) without a weight sync")
             self.llm.wake_up(tags=["kv_cache"])
         # Token ids, not text: vLLM then samples after exactly the prompt tokens the trainer scores.
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in group_ids],
-                                    self._sampling_params(num_generations), use_tqdm=False)
+        outputs = self.llm.generate(group_requests, self._sampling_params(num_generations), use_tqdm=False)
         if self.sleep_mode:
             # Level 2 (TRL's): weights and KV cache freed for the update that follows; the next sync reloads them.
             self.llm.sleep(level=2)
@@ -169,17 +185,19 @@ class VLLMColocateBackend:
         completions = [list(o.token_ids) for o in samples]
         # o.logprobs[t] maps token id -> Logprob for position t; with logprobs=0 it holds the sampled token only.
         logps = [[position[t].logprob for t, position in zip(o.token_ids, o.logprobs)] for o in samples]
-        return to_rollout(ids, completions, num_generations, tok.pad_token_id, self.eos_ids, logps)
+        rollout = to_rollout(ids, completions, num_generations, tok.pad_token_id, self.eos_ids, logps)
+        rollout.vision = None if vision is None else vision.repeat(num_generations)
+        return rollout
 
-    def _group_prompts(self, ids: list[list[int]]) -> tuple[list[list[int]], slice]:
-        """Every prompt of this rank's tensor-parallel group (its ranks' engines are one engine and must be given
+    def _group_prompts(self, requests: list[dict]) -> tuple[list[dict], slice]:
+        """Every request of this rank's tensor-parallel group (its ranks' engines are one engine and must be given
         the same requests), and the slice of the outputs that are this rank's."""
         if self.tp_group is None:
-            return ids, slice(None)
+            return requests, slice(None)
         everyone: list[Any] = [None] * torch.distributed.get_world_size(self.tp_group)
-        torch.distributed.all_gather_object(everyone, ids, group=self.tp_group)
+        torch.distributed.all_gather_object(everyone, requests, group=self.tp_group)
         start = sum(len(p) for p in everyone[: torch.distributed.get_rank(self.tp_group)])
-        return [p for rank in everyone for p in rank], slice(start, start + len(ids))
+        return [p for rank in everyone for p in rank], slice(start, start + len(requests))
 
     @torch.no_grad()
     def sync_weights(self, model: torch.nn.Module, step: int = 0) -> None:
@@ -192,6 +210,10 @@ class VLLMColocateBackend:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": one_at_a_time(items)})
         self.weights_discarded = False
         self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
+        if self.processor is not None:
+            # And the images' encoder outputs, computed by the vision tower's old weights: the scheduler's record
+            # of them and the stored outputs both go (vLLM's call for a weight update).
+            self.llm.llm_engine.reset_encoder_cache()
 
     def close(self) -> None:
         """Shuts the engine down while the process groups it uses still exist (left to the interpreter's exit,

