@@ -50,6 +50,22 @@ def image(seed: int = 0, side: int = IMAGE_SIDE) -> Image.Image:
     return Image.fromarray(pixels, "RGB")
 
 
+def unavailable_reason(family: str) -> str | None:
+    """Why `family` cannot be built in this install (its processor's parts do not construct), or None."""
+    try:
+        if family in ("qwen2_vl", "qwen2_5_vl"):
+            from transformers import Qwen2VLVideoProcessor
+
+            Qwen2VLVideoProcessor()
+        elif family == "idefics3":
+            from transformers import Idefics3ImageProcessorPil
+
+            Idefics3ImageProcessorPil()
+    except (ImportError, AttributeError, TypeError, ValueError) as err:  # transformers' torchvision checks
+        return f"{family}'s processor does not build here ({type(err).__name__}: {str(err).strip()[:80]})"
+    return None
+
+
 def build_vlm(out_dir: str | Path, family: str = "llava", hidden: int = 64, layers: int = 2, seed: int = 0,
               texts: list[str] | None = None) -> Path:
     """Saves a random-init `family` VLM with its processor (tokenizer, image processor, chat template) to `out_dir`;
