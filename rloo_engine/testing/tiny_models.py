@@ -135,16 +135,23 @@ def build_causal_lm(
 ) -> Path:
     """Saves a random-init causal LM (and its tokenizer) to `out_dir`; returns the path. `config_fields`
     override the config's (e.g. num_attention_heads)."""
-    torch.manual_seed(seed)
     # a vocabulary larger than the tokenizer's, as real models pad theirs, sizes the head for benches
     vocab = config_fields.pop("vocab_size", len(tokenizer))
     cfg = lm_config(arch, vocab, tokenizer.pad_token_id, tokenizer.eos_token_id, hidden, layers, **config_fields)
-    model = AutoModelForCausalLM.from_config(cfg)
+    return save_random_init(AutoModelForCausalLM, cfg, tokenizer, out_dir, seed)
+
+
+def save_random_init(auto_class, config, processing_class, out_dir: str | Path, seed: int = 0) -> Path:
+    """`auto_class`'s random-init model of `config` (seeded), generating with the tokenizer's pad and EOS, saved with
+    `processing_class` (a tokenizer or a processor) to `out_dir`."""
+    torch.manual_seed(seed)
+    model = auto_class.from_config(config)
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     out = Path(out_dir)
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    processing_class.save_pretrained(out)
     return out
 
 

@@ -22,10 +22,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image
 
-from rloo_engine.testing.tiny_models import train_tokenizer
+from rloo_engine.testing.tiny_models import save_random_init, train_tokenizer
 
 IMAGE_TOKEN = "<image>"
 # The tiny chat template (tiny_models.CHAT_TEMPLATE), with list contents: text items, and image items as <image>.
@@ -77,15 +76,7 @@ def build_vlm(out_dir: str | Path, family: str = "llava", hidden: int = 64, laye
         raise ValueError(f"family: {family!r}; expected one of {', '.join(FAMILIES)}")
     build = {"llava": _llava, "idefics3": _idefics3}.get(family, _qwen_vl)
     config, processor = build(family, hidden, layers, texts)
-    tok = processor.tokenizer
-    torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config)
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    out = Path(out_dir)
-    model.save_pretrained(out)
-    processor.save_pretrained(out)
-    return out
+    return save_random_init(AutoModelForImageTextToText, config, processor, out_dir, seed)
 
 
 def _text_config(tok, hidden: int, layers: int, **extra) -> dict:
