@@ -200,7 +200,8 @@ def _completion_outputs(model, run, input_ids, attention_mask, prompt_length: in
               if share_prompts and prompt_length > 1 and vision is None else None)
     if groups is None:
         completion_len = input_ids.size(1) - prompt_length
-        extra = {} if vision is None else vision.model_kwargs(input_ids.size(1))
+        # on the ids' device: vLLM's rollouts carry the pixels on the CPU
+        extra = {} if vision is None else vision.to(input_ids.device).model_kwargs(input_ids.size(1))
         if vision is None or not vision.own_positions:  # Qwen2-VL numbers positions from the images itself
             extra["position_ids"] = position_ids
         return run(model, input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=completion_len + 1,
