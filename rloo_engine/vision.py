@@ -1,4 +1,5 @@
-"""Prompts with images (vision-language models, as TRL's RLOOTrainer trains them).
+"""Prompts with images (vision-language models, as TRL's RLOOTrainer trains them). torch is imported where it is
+used, so reading a dataset's images (the evaluation's prompt loading) never pays for it.
 
 A dataset row holds a conversational `prompt` and `image` (one) or `images` (a list): PIL images, paths, or the
 `{"bytes", "path"}` dicts `datasets.Image` stores. The prompt's first user message gets one `{"type": "image"}`
@@ -15,11 +16,12 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rloo_engine.config_base import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 IMAGE_COLUMNS = ("image", "images")
 _TOKEN_LEVEL = ("token_type_ids", "mm_token_type_ids")  # per prompt token, like input_ids
@@ -29,14 +31,18 @@ def has_images(row: dict) -> bool:
     return any(row.get(column) is not None for column in IMAGE_COLUMNS)
 
 
+def image_items(row: dict) -> list:
+    """The row's images as the dataset holds them: `images` (a list), else `image` (one); [] when it has none."""
+    value = row.get("images") if row.get("images") is not None else row.get("image")
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
 def row_images(row: dict, where: str = "dataset") -> list:
     """The row's images as PIL images (`images` a list, or `image` one); [] when it has none."""
     from PIL import Image
 
-    value = row.get("images") if row.get("images") is not None else row.get("image")
-    items = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
     images = []
-    for item in items:
+    for item in image_items(row):
         if isinstance(item, dict):  # datasets.Image(decode=False): {"bytes": ..., "path": ...}
             item = io.BytesIO(item["bytes"]) if item.get("bytes") else item.get("path")
         if isinstance(item, (str, Path, io.BytesIO)):
@@ -94,6 +100,8 @@ class VisionRows:
 
     def repeat(self, times: int) -> VisionRows:
         """Each row `times` times in a row (G completions of one prompt)."""
+        import torch
+
         fields = {}
         for name, tensor in self.fields.items():
             parts = tensor.split(self.counts[name].tolist())
@@ -104,6 +112,8 @@ class VisionRows:
     def model_kwargs(self, length: int) -> dict[str, torch.Tensor]:
         """The model's keyword inputs for these rows over `length` tokens (prompt, then completion: token-level
         fields are 0 after the prompt)."""
+        import torch
+
         out = dict(self.fields)
         for name, tensor in self.token_fields.items():
             out[name] = torch.nn.functional.pad(tensor, (0, length - tensor.size(1)))
@@ -125,6 +135,12 @@ def placeholder_token_ids(config: Any) -> list[int]:
     return [i for i in ids if isinstance(i, int)]
 
 
+def suppressing_placeholders(generation_kwargs: dict, config: Any) -> dict:
+    """`generate`'s keyword arguments with the placeholder ids added to any `suppress_tokens` they hold."""
+    suppressed = {*(generation_kwargs.get("suppress_tokens") or ()), *placeholder_token_ids(config)}
+    return {**generation_kwargs, "suppress_tokens": sorted(suppressed)}
+
+
 def numbers_own_positions(model: torch.nn.Module) -> bool:
     """Whether the model computes its positions from the images (a multimodal rotary index, Qwen2-VL's
     `get_rope_index`): 1-D position_ids would then be wrong."""
@@ -132,21 +148,28 @@ def numbers_own_positions(model: torch.nn.Module) -> bool:
 
 
 def encode_prompts(processor: Any, texts: list[str], images: list[list], max_length: int | None,
-                   own_positions: bool, add_special_tokens: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor, VisionRows]:
+                   own_positions: bool, add_special_tokens: bool = False, field: str = "max_prompt_length",
+                   names: list[str] | None = None) -> tuple[torch.Tensor, torch.Tensor, VisionRows]:
     """Left-padded prompt ids and mask (K, P) and the K prompts' pixel inputs, each prompt processed with its own
-    images. A prompt longer than `max_length` is refused: cutting it could cut an image's placeholder tokens."""
+    images. Over `max_length` tokens, a prompt without images keeps its last ones, as text prompts do; one with
+    images is refused (cutting it could cut an image's placeholder tokens), naming `field` and the prompt (`names`,
+    else its place in the batch)."""
+    import torch
+
     ids, outputs = [], []
     for k, (text, prompt_images) in enumerate(zip(texts, images, strict=True)):
         enc = processor(text=[text], images=prompt_images or None, return_tensors="pt",
                         add_special_tokens=add_special_tokens)
-        row = enc["input_ids"][0]
+        row, keep = enc["input_ids"][0], slice(None)
         if max_length is not None and row.numel() > max_length:
-            raise ConfigError(f"max_prompt_length: {max_length} tokens, and prompt {k} of this batch with its "
-                              f"{len(prompt_images)} image(s) is {row.numel()}; prompts with images are not cut "
-                              "(an image's tokens must stay whole): raise max_prompt_length or shorten the prompt")
-        ids.append(row)
-        outputs.append({name: value for name, value in enc.items()
+            if prompt_images:
+                name = names[k] if names else f"{k} of this batch"
+                raise ConfigError(f"{field}: {max_length} tokens, and prompt {name} with its {len(prompt_images)} "
+                                  f"image(s) is {row.numel()}; prompts with images are not cut (an image's tokens "
+                                  f"must stay whole): raise {field} or shorten the prompt")
+            keep = slice(-max_length, None)
+        ids.append(row[keep])
+        outputs.append({name: value[:, keep] if name in _TOKEN_LEVEL else value for name, value in enc.items()
                         if isinstance(value, torch.Tensor) and name not in ("input_ids", "attention_mask")})
     width = max(r.numel() for r in ids)
 

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from rloo_engine.config_base import ConfigError
-from rloo_engine.evaluation.images import PromptImages, has_images, load_row_images
+from rloo_engine.evaluation.images import PromptImages, load_row_images
+from rloo_engine.vision import has_images
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from rloo_engine.config_base import ConfigError
 from rloo_engine.evaluation.config import EvalGenerationConfig
 from rloo_engine.evaluation.data import EvalPrompt
 from rloo_engine.evaluation.images import open_images
@@ -29,7 +28,7 @@ def generate_with_images(
     import torch
     from transformers import set_seed
 
-    from rloo_engine.vision import encode_prompts, numbers_own_positions, placeholder_token_ids
+    from rloo_engine.vision import encode_prompts, numbers_own_positions, suppressing_placeholders
 
     tok = processor.tokenizer
     own_positions = numbers_own_positions(model)
@@ -42,13 +41,12 @@ def generate_with_images(
             batch_prompts = [prompts[i] for i in batch]
             templated = rendered[batch[0]][1]  # one per batch: the processor adds special tokens to all or none
             images = [open_images(ep.image_sources, f"prompts: prompt {ep.prompt_id}") for ep in batch_prompts]
-            ids, mask, vision = encode_prompts(processor, [rendered[i][0] for i in batch], images, None,
-                                               own_positions, add_special_tokens=not templated)
-            ids, mask, vision = fit_prompt_length(ids, mask, vision, batch_prompts, gen.max_prompt_length)
+            ids, mask, vision = encode_prompts(processor, [rendered[i][0] for i in batch], images,
+                                               gen.max_prompt_length, own_positions, not templated,
+                                               "generation.max_prompt_length", [ep.prompt_id for ep in batch_prompts])
             width = ids.size(1)
             # A sampled image token has no features to match (as in training and TRL): suppressed.
-            generation_kwargs = {**gen.generation_kwargs, "suppress_tokens": sorted(
-                {*(gen.generation_kwargs.get("suppress_tokens") or ()), *placeholder_token_ids(model.config)})}
+            generation_kwargs = suppressing_placeholders(gen.generation_kwargs, model.config)
             with torch.no_grad():
                 out = model.generate(
                     input_ids=ids.to(device),
@@ -79,27 +77,3 @@ def prompt_batches(prompts: list[EvalPrompt], rendered: list[tuple[str, bool]], 
             batches.append([])
         batches[-1].append(i)
     return batches
-
-
-def fit_prompt_length(ids: Any, mask: Any, vision: Any, prompts: list[EvalPrompt], max_length: int | None
-                      ) -> tuple[Any, Any, Any]:
-    """The batch's prompts within `max_length` tokens: a prompt without images keeps its last `max_length`
-    tokens, one with images longer than that is refused. Rows are left-padded, so they all end in the last column
-    and the last columns hold each row's last tokens."""
-    from rloo_engine.vision import VisionRows
-
-    if max_length is None:
-        return ids, mask, vision
-    lengths = mask.sum(1).tolist()
-    for ep, length in zip(prompts, lengths, strict=True):
-        if ep.images and length > max_length:
-            raise ConfigError(
-                f"generation.max_prompt_length: {max_length} tokens, and prompt {ep.prompt_id} with its "
-                f"{len(ep.images)} image(s) ({ep.images[0]}) is {length}; prompts with images are not cut (an "
-                "image's tokens must stay whole): raise generation.max_prompt_length or shorten the prompt"
-            )
-    keep = max(min(length, max_length) for length in lengths)
-    if keep == ids.size(1):
-        return ids, mask, vision
-    token_fields = {name: tensor[:, -keep:] for name, tensor in vision.token_fields.items()}
-    return ids[:, -keep:], mask[:, -keep:], VisionRows(vision.fields, vision.counts, token_fields, vision.own_positions)

@@ -17,9 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rloo_engine.config_base import ConfigError
-
-# vision.IMAGE_COLUMNS: vision.py imports torch, which an evaluation of completion files never needs
-IMAGE_COLUMNS = ("image", "images")
+from rloo_engine.vision import image_items, row_images
 
 
 @dataclass(frozen=True)
@@ -28,25 +26,15 @@ class PromptImages:
     sources: tuple[Any, ...]  # what `vision.row_images` opens again for generation: paths, {"bytes"} dicts, PIL images
 
 
-def has_images(row: dict[str, Any]) -> bool:
-    return any(row.get(column) is not None for column in IMAGE_COLUMNS)
-
-
 def load_row_images(row: dict[str, Any], base_dir: Path | None, where: str) -> PromptImages:
     """The row's images as references and sources, each one opened once here; `where` names the row in errors."""
-    from rloo_engine.vision import row_images
-
-    value = row.get("images") if row.get("images") is not None else row.get("image")
-    items = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
-    sources = [_source(item, base_dir, where) for item in items]
+    sources = [_source(item, base_dir, where) for item in image_items(row)]
     row_images({"images": sources}, where)  # a file that is not an image, or an unknown type, fails now
     return PromptImages(tuple(_reference(s) for s in sources), tuple(sources))
 
 
 def open_images(sources: Iterable[Any], where: str) -> list:
     """The PIL images (RGB) of `sources`, as `load_row_images` gave them."""
-    from rloo_engine.vision import row_images
-
     return row_images({"images": list(sources)}, where)
 
 

@@ -16,7 +16,12 @@ from rloo_engine.generation.base import Rollout, SamplingParams
 from rloo_engine.generation.fused_decode import FusedDecoder, decode_step_difference, unsupported_reason
 from rloo_engine.generation.kv_cache import cache_keyword, sequence_major_cache
 from rloo_engine.generation.sampling import PROCESSOR_KWARGS, TokenSampler
-from rloo_engine.vision import encode_prompts, numbers_own_positions, placeholder_token_ids
+from rloo_engine.vision import (
+    encode_prompts,
+    numbers_own_positions,
+    placeholder_token_ids,
+    suppressing_placeholders,
+)
 
 
 class SampledTokenLogProbs(LogitsProcessor):
@@ -191,8 +196,8 @@ class HFGenerationBackend:
                     copies = num_generations if self.own_sampler or vision is not None else 1
                     kwargs = self._generation_kwargs(num_generations // copies, recorder)
                     if vision is not None:  # the rows' pixels; a sampled image token would have none (as TRL)
-                        kwargs.update(vision.model_kwargs(prompt_ids.size(1)), suppress_tokens=sorted(
-                            {*(kwargs.get("suppress_tokens") or ()), *placeholder_token_ids(model.config)}))
+                        kwargs = {**suppressing_placeholders(kwargs, model.config),
+                                  **vision.model_kwargs(prompt_ids.size(1))}
                     sequences = model.generate(input_ids=prompt_ids.repeat_interleave(copies, 0),
                                                attention_mask=prompt_mask.repeat_interleave(copies, 0), **kwargs)
         finally:

@@ -296,3 +296,17 @@ def test_logged_completions_carry_their_prompt_images_to_files_and_mlflow(llava,
     assert uploaded == {"completion_images/step-1/prompt-0-0.png"}
     cells = [row[table["columns"].index("image")] for row in table["data"]]
     assert len(cells) == 8 and all(cell["type"] == "image" for cell in cells)
+
+
+def test_a_prompt_without_images_is_cut_from_the_left_as_text_prompts_are(llava):
+    """In a batch of a VLM, a prompt with no image over max_prompt_length keeps its last tokens (its per-token fields
+    too); one with an image is refused, naming the option and the prompt."""
+    processor = AutoProcessor.from_pretrained(llava)
+    text = "the cat sat on the mat " * 6
+    whole, _, _ = encode_prompts(processor, [text], [[]], None, False)
+    ids, mask, vision = encode_prompts(processor, [text, "<image>a"], [[], [image(0, SIDE)]], 12, False)
+    assert ids[0].tolist() == whole[0, -12:].tolist() and mask[0].sum() == 12
+    assert vision.counts["pixel_values"].tolist() == [0, 1]
+    with pytest.raises(ConfigError, match=r"generation.max_prompt_length: 3 tokens, and prompt p1 with its 1 image"):
+        encode_prompts(processor, ["a", "<image>a"], [[], [image(0, SIDE)]], 3, False,
+                       field="generation.max_prompt_length", names=["p0", "p1"])
