@@ -28,14 +28,16 @@ import torch
 from rloo_engine.config_base import ConfigError
 from rloo_engine.generation.base import Rollout, SamplingParams
 from rloo_engine.generation.vllm_common import (
+    expansion_mismatch,
     import_vllm,
     one_at_a_time,
     prompt_token_ids,
     to_rollout,
+    vision_prompt_token_ids,
     vllm_weight_items,
 )
 from rloo_engine.services import free_port, scoped_env
-from rloo_engine.vision import encode_prompts, placeholder_token_ids
+from rloo_engine.vision import placeholder_token_ids
 
 # vLLM's V1 profiler sizes its dummy batch by max_num_batched_tokens; its default (8192 and up) made the profile
 # misjudge the memory left beside a training process. TRL's colocate uses the same value.
@@ -158,18 +160,19 @@ class VLLMColocateBackend:
     @torch.no_grad()
     def generate(self, prompts: list[str], num_generations: int, add_special_tokens: bool = False,
                  images: list[list] | None = None) -> Rollout:
-        """`images`: each prompt's images (a vision-language model): the trainer's processor writes the prompt ids
-        with each image's placeholder tokens expanded, and vLLM gets the images beside them."""
-        tok, vision = self.tokenizer, None
+        """`images`: each prompt's images (a vision-language model). vLLM gets the images beside the template's
+        placeholders and expands them itself; its prompt ids must then be the trainer's processor's (checked)."""
+        tok, prompts_with_images = self.tokenizer, None
         if images is None:
             ids = prompt_token_ids(tok, prompts, self.params.max_prompt_length, add_special_tokens)
             requests = [{"prompt_token_ids": p} for p in ids]
         else:
-            padded, mask, vision = encode_prompts(self.processor, prompts, images, self.params.max_prompt_length,
-                                                  self.own_positions, add_special_tokens)
-            ids = [row[m.bool()].tolist() for row, m in zip(padded, mask)]
+            prompts_with_images = vision_prompt_token_ids(self.processor, prompts, images,
+                                                          self.params.max_prompt_length, self.own_positions,
+                                                          add_special_tokens)
+            ids = prompts_with_images.expanded
             requests = [{"prompt_token_ids": p, **({"multi_modal_data": {"image": i}} if i else {})}
-                        for p, i in zip(ids, images)]
+                        for p, i in zip(prompts_with_images.sent, images)]
         group_requests, mine = self._group_prompts(requests)
         if self.sleep_mode:
             if self.weights_discarded:  # level 2 dropped them; only a sync brings weights back
@@ -181,12 +184,16 @@ class VLLMColocateBackend:
             # Level 2 (TRL's): weights and KV cache freed for the update that follows; the next sync reloads them.
             self.llm.sleep(level=2)
             self.weights_discarded = True
+        if prompts_with_images is not None:
+            for k, out in enumerate(outputs[mine]):
+                if problem := expansion_mismatch(list(out.prompt_token_ids), ids[k], k):
+                    raise RuntimeError(problem)
         samples = [o for out in outputs[mine] for o in out.outputs]
         completions = [list(o.token_ids) for o in samples]
         # o.logprobs[t] maps token id -> Logprob for position t; with logprobs=0 it holds the sampled token only.
         logps = [[position[t].logprob for t, position in zip(o.token_ids, o.logprobs)] for o in samples]
         rollout = to_rollout(ids, completions, num_generations, tok.pad_token_id, self.eos_ids, logps)
-        rollout.vision = None if vision is None else vision.repeat(num_generations)
+        rollout.vision = None if prompts_with_images is None else prompts_with_images.vision.repeat(num_generations)
         return rollout
 
     def _group_prompts(self, requests: list[dict]) -> tuple[list[dict], slice]:

