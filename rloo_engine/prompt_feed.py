@@ -24,6 +24,11 @@ class PromptDraw:
     request: Any = None  # the server request `submit` sent (async_generation); None: generated when collected
     images: list[list] | None = None  # each prompt's images (PIL), with a vision-language model
 
+    @property
+    def image_kwargs(self) -> dict:
+        """What a backend's `generate` / `submit` is given of the images: nothing for a text-only model."""
+        return {} if self.images is None else {"images": self.images}
+
 
 class PromptFeed:
     """Draws `num_prompts` prompts a batch from `sampler`; with `submit_ahead` (async generation) each draw goes to
@@ -55,7 +60,7 @@ class PromptFeed:
         if self.submit_ahead:
             # A chat template writes its own special tokens (BOS); plain prompts get the tokenizer's.
             draw.request = self.backend.submit(draw.rendered, self.num_generations,
-                                               add_special_tokens=not draw.conversational)
+                                               add_special_tokens=not draw.conversational, **draw.image_kwargs)
         return draw
 
     def take(self, weights_step: Callable[[], int]) -> PromptDraw:
@@ -72,9 +77,8 @@ class PromptFeed:
         """`draw`'s completions: collected from the server (sent ahead) or generated now."""
         if draw.request is not None:
             return self.backend.collect(draw.request)
-        images = {} if draw.images is None else {"images": draw.images}
         return self.backend.generate(draw.rendered, self.num_generations, add_special_tokens=not draw.conversational,
-                                     **images)
+                                     **draw.image_kwargs)
 
     def drain(self) -> None:
         """Waits for a batch the run turned out not to need: the server must finish it before new weights."""

@@ -201,7 +201,7 @@ def vision_processor(processing_class: Any, cfg: Any, given: torch.nn.Module | N
                      say=lambda message: None) -> Any | None:
     """The processor of a vision-language policy: `processing_class` when it is one, else the checkpoint's
     `AutoProcessor`; None for a text-only model. Refused here, before any model loads: a dataset with images for a
-    text-only model, and a vision-language model with vLLM generation (not wired in this engine yet)."""
+    text-only model."""
     from transformers import AutoConfig, AutoProcessor
 
     from rloo_engine.models import hub_kwargs
@@ -218,9 +218,6 @@ def vision_processor(processing_class: Any, cfg: Any, given: torch.nn.Module | N
                               f"(model_type {config.model_type!r}); images need a vision-language model, one that "
                               "AutoModelForImageTextToText loads (Qwen2-VL, LLaVA, Gemma 3, ...)")
         return None
-    if cfg.use_vllm and cfg.vllm_mode == "server":
-        raise ConfigError(f"vllm_mode: server, and {path!r} is a vision-language model ({config.model_type}); "
-                          "images reach vLLM in colocate mode only for now: set vllm_mode colocate, or use_vllm false")
     say(f"rloo-engine: {config.model_type} is a vision-language model: without vLLM its prompts generate with HF "
         "generate on G copies of each prompt, and every row's prompt runs whole in the log-prob passes (the shared "
         "prefill, fused_decode and share_prompt_forward split a text decoder's cache, not a vision tower's inputs); "

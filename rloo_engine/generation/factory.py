@@ -9,14 +9,18 @@ def build_backend(cfg, tokenizer, params: SamplingParams, acc, *, policy_getter,
                   position_limit: int | None, say, processor=None) -> GenerationBackend:
     """The backend `cfg` asks for: HF `generate` on the training policy (default), a colocated vLLM engine in each
     process, or a vLLM server. vLLM's modules are imported only here, when asked for (it is an optional extra)."""
+    from rloo_engine.vision import numbers_own_positions, placeholder_token_ids
+
     if cfg.use_vllm and cfg.vllm_mode == "server":
         from rloo_engine.generation.vllm_server import VLLMServerBackend
 
+        vision = {} if processor is None else dict(
+            processor=processor, own_positions=numbers_own_positions(policy_getter()),
+            placeholder_ids=tuple(placeholder_token_ids(policy_getter().config)))
         return VLLMServerBackend(cfg.vllm_server_url, tokenizer, params, acc, cfg.vllm_server_timeout,
-                                 cfg.vllm_group_port, cfg.seed, cfg.vllm_structured_outputs_regex)
+                                 cfg.vllm_group_port, cfg.seed, cfg.vllm_structured_outputs_regex, **vision)
     if cfg.use_vllm:
         from rloo_engine.generation.vllm_colocate import ProcessLayout, VLLMColocateBackend
-        from rloo_engine.vision import numbers_own_positions
 
         layout = ProcessLayout(acc.process_index, acc.local_process_index, acc.num_processes)
         backend = VLLMColocateBackend(cfg.model_name_or_path, tokenizer, params, cfg.vllm_gpu_memory_utilization,

@@ -8,7 +8,9 @@ What the trainer needs of the server, and so what this adds to `vllm serve`:
   NCCL cannot put two ranks of one group on one device ("Duplicate GPU detected"). The trainer reads the choice
   from `/server_info` and refuses a server started without one before training starts;
 - `--logprobs-mode processed_logprobs`: the sampled tokens' log-probs after temperature, as the trainer scores them;
-- `--max-logprobs -1`: no cap on the log-probs a request may ask for (TRL's server has none either).
+- `--max-logprobs -1`: no cap on the log-probs a request may ask for (TRL's server has none either);
+- `--enable-scale-out`: mounts vLLM's tokens-in route, `/inference/v1/generate`, which takes prompt token ids with
+  images beside them: a vision-language model's prompts go there (the OpenAI completions route takes no images).
 
 It prints the equivalent plain vLLM command, then becomes the server (exec): a signal to this process reaches vLLM.
 vLLM's engine core finds `rloo_gloo` through rloo-pipeline's `vllm.general_plugins` entry point, so on CPU the
@@ -48,7 +50,8 @@ def vllm_server_args(args: argparse.Namespace, cuda: bool) -> list[str]:
              "--tensor-parallel-size", str(args.tensor_parallel_size), "--dtype", args.dtype,
              "--weight-transfer-config", json.dumps({"backend": transfer_backend(args.weight_transfer, cuda,
                                                                             args.shares_trainer_gpu)}),
-             "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", "--enable-prefix-caching"]
+             "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", "--enable-prefix-caching",
+             "--enable-scale-out"]
     if args.gpu_memory_utilization is not None:
         flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.max_model_len is not None:

@@ -2,9 +2,14 @@
 
 Rank 0 talks to the server; the other ranks send it their prompts and wait. Generation goes through the
 OpenAI `/v1/completions` route with prompt token ids, so the server continues exactly the tokens the trainer
-scores. Weights go through vLLM's weight-transfer API (`/init_weight_transfer_engine`, `/update_weights`,
+scores. A vision-language model's prompts go to vLLM's tokens-in route, `/inference/v1/generate` (mounted by
+`--enable-scale-out`, which `rloo-engine vllm-serve` sets): the ids with the chat template's placeholder per image,
+and the images beside them as PNG data URLs (lossless: the server decodes the pixels the trainer processed). The
+server expands each image's placeholder as colocate's engine does, and its expanded prompt must be the one the
+trainer's processor wrote (checked on every reply). Weights go through vLLM's weight-transfer API (`/init_weight_transfer_engine`, `/update_weights`,
 ...): NCCL on GPU, the `rloo_gloo` engine on CPU. Each sync's `/finish_weight_update` also sets the server's
-weight version to the trainer's optimizer step, and `/reset_prefix_cache` drops the KV the old weights computed.
+weight version to the trainer's optimizer step, and `/reset_prefix_cache` drops the KV the old weights computed
+(and `/reset_encoder_cache` a vision tower's outputs).
 
 With `async_generation` the trainer `submit`s the next batch's prompts before updating on this one and
 `collect`s them after, so the server generates while the trainer computes (one step off-policy).
@@ -15,6 +20,8 @@ Every call is bounded by `vllm_server_timeout`: a server that is down, dies or h
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import socket
 import threading
@@ -31,13 +38,16 @@ from rloo_engine.generation.base import Rollout, SamplingParams
 from rloo_engine.generation.vllm_client import Pending, VLLMServerClient, VLLMServerError
 from rloo_engine.generation.vllm_common import (
     alias_indices,
+    expansion_mismatch,
     full_tensor,
     import_vllm,
     one_at_a_time,
     prompt_token_ids,
     to_rollout,
+    vision_prompt_token_ids,
     vllm_weight_items,
 )
+from rloo_engine.vision import VisionRows
 
 __all__ = ["VLLMServerBackend", "VLLMServerError"]
 
@@ -123,6 +133,10 @@ def _ipc_engine(client, source, is_sender: bool):
                                                        client=client, source=source)
 
 
+# vLLM's tokens-in route: prompt ids with images beside them (a vision-language model's prompts).
+TOKENS_ROUTE = "/inference/v1/generate"
+
+
 @dataclass
 class InFlight:
     """A generation request `submit` sent: this rank's prompt ids, and rank 0's future of everyone's results."""
@@ -131,6 +145,29 @@ class InFlight:
     num_generations: int
     start: int  # this rank's first row in everyone's results
     result: Future
+    vision: VisionRows | None = None  # this rank's prompts' pixel inputs (a vision-language model)
+
+
+def image_data_url(image) -> str:
+    """A PIL image as a PNG data URL: lossless, so the server decodes the very pixels the trainer processed."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def check_tokens_route(client: VLLMServerClient) -> None:
+    """A vision-language model's prompts need the tokens-in route: refused at connect, before any training, when
+    the server was started without it. An empty body is invalid there (400/422), where the route is off (403) or
+    absent (404)."""
+    try:
+        client.post(TOKENS_ROUTE, {})
+    except VLLMServerError as err:
+        if "HTTP 403" in str(err) or "HTTP 404" in str(err):
+            raise VLLMServerError(f"vLLM server {client.base_url} has no {TOKENS_ROUTE} route, which a "
+                                  "vision-language model's prompts with images need; restart it with "
+                                  "--enable-scale-out (`rloo-engine vllm-serve` sets it)") from None
+        if "HTTP 400" not in str(err) and "HTTP 422" not in str(err):
+            raise
 
 
 def _fill(future: Future, work) -> None:
@@ -144,9 +181,13 @@ class VLLMServerBackend:
     serves_after_training = True  # the trainer pushes the final weights: the server then serves the trained policy
 
     def __init__(self, base_url: str, tokenizer, params: SamplingParams, acc, timeout: float = 240.0,
-                 group_port: int = 51216, seed: int = 0, structured_outputs_regex: str | None = None):
+                 group_port: int = 51216, seed: int = 0, structured_outputs_regex: str | None = None,
+                 processor=None, own_positions: bool = False, placeholder_ids: tuple[int, ...] = ()):
+        """`processor`: a vision-language model's, for prompts with images (`generate(images=...)`);
+        `own_positions` as `VisionRows` says; `placeholder_ids`: its image tokens, which sampling suppresses."""
         self.tokenizer, self.params, self.acc, self.seed = tokenizer, params, acc, seed
         self.structured_outputs_regex = structured_outputs_regex
+        self.processor, self.own_positions, self.placeholder_ids = processor, own_positions, placeholder_ids
         self.base_url = base_url.rstrip("/")
         self.eos_ids = list(params.eos_token_ids or (tokenizer.eos_token_id,))
         self.calls = 0
@@ -184,6 +225,8 @@ class VLLMServerBackend:
         self.client.wait_until_healthy()
         self.model_id = self.client.get("/v1/models")["data"][0]["id"]
         transfer = server_weight_transfer(self.client)
+        if self.processor is not None:
+            check_tokens_route(self.client)
         if transfer == "ipc":
             self.client.post("/shutdown_weight_transfer_engine")
             self.engine = _ipc_engine(self.client, self.source, is_sender=True)
@@ -222,6 +265,17 @@ class VLLMServerBackend:
             body["structured_outputs"] = {"regex": self.structured_outputs_regex}
         return body
 
+    def _tokens_body(self, ids: list[int], image_urls: list[str], n: int, seed: int) -> dict:
+        """The same request for the tokens-in route: the sampling fields as vLLM's `SamplingParams`, the images as
+        content parts, and the image tokens suppressed (a sampled one would have no features to match)."""
+        sampling = self._body(ids, n, seed)
+        for key in ("model", "prompt", "return_token_ids"):
+            del sampling[key]
+        if self.placeholder_ids:
+            sampling["logit_bias"] = {**(sampling.get("logit_bias") or {}), **{i: -100.0 for i in self.placeholder_ids}}
+        return dict(model=self.model_id, token_ids=ids, sampling_params=sampling, return_token_ids=True,
+                    content_parts=[{"type": "image_url", "url": url} for url in image_urls])
+
     def _seed(self, ids: list[int], occurrence: int) -> int:
         # Per prompt, not per batch: the same prompts get the same samples however they are split over ranks.
         return zlib.crc32(json.dumps([self.seed, self.calls, occurrence, ids]).encode()) & 0x7FFFFFFF
@@ -235,25 +289,42 @@ class VLLMServerBackend:
             seeds.append(self._seed(ids, seen[key]))
         return seeds
 
-    def _send_all(self, prompt_ids: list[list[int]], n: int, seeds: list[int]) -> list[Pending]:
+    def _send_all(self, prompt_ids: list[list[int]], n: int, seeds: list[int],
+                  image_urls: list[list[str]] | None = None) -> list[Pending]:
         # One request per prompt (its own seed: one seed over several prompts would draw them from one stream).
-        return [self.client.send("POST", "/v1/completions", self._body(ids, n, seed))
-                for ids, seed in zip(prompt_ids, seeds)]
+        if image_urls is None:
+            return [self.client.send("POST", "/v1/completions", self._body(ids, n, seed))
+                    for ids, seed in zip(prompt_ids, seeds)]
+        return [self.client.send("POST", TOKENS_ROUTE, self._tokens_body(ids, urls, n, seed))
+                for ids, urls, seed in zip(prompt_ids, image_urls, seeds)]
 
-    def _receive_all(self, sent: list[Pending]) -> list[tuple[list[int], list[float]]]:
+    def _receive_all(self, sent: list[Pending], expanded: list[list[int]] | None = None
+                     ) -> list[tuple[list[int], list[float]]]:
+        """Each completion's token ids and log-probs, in request order. `expanded`: each prompt as the trainer scores
+        it, which the server's expansion of its images must equal."""
         out = []
-        for pending in sent:
-            for choice in sorted(self.client.receive(pending)["choices"], key=lambda c: c["index"]):
-                logps = (choice.get("logprobs") or {}).get("token_logprobs") or []
+        for k, pending in enumerate(sent):
+            reply = self.client.receive(pending)
+            if expanded is not None and (problem := expansion_mismatch(reply["prompt_token_ids"], expanded[k], k)):
+                raise VLLMServerError(f"vLLM server {self.base_url}: {problem}")
+            for choice in sorted(reply["choices"], key=lambda c: c["index"]):
+                logprobs = choice.get("logprobs") or {}
+                if "content" in logprobs:  # the tokens-in route's: one entry per sampled token
+                    logps = [entry["logprob"] for entry in logprobs["content"] or []]
+                else:
+                    logps = logprobs.get("token_logprobs") or []
                 out.append((list(choice["token_ids"]), [float(x) for x in logps]))
         return out
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], num_generations: int, add_special_tokens: bool = False) -> Rollout:
-        return self.collect(self.submit(prompts, num_generations, add_special_tokens))
+    def generate(self, prompts: list[str], num_generations: int, add_special_tokens: bool = False,
+                 images: list[list] | None = None) -> Rollout:
+        return self.collect(self.submit(prompts, num_generations, add_special_tokens, images))
 
-    def submit(self, prompts: list[str], num_generations: int, add_special_tokens: bool = False) -> InFlight:
+    def submit(self, prompts: list[str], num_generations: int, add_special_tokens: bool = False,
+               images: list[list] | None = None) -> InFlight:
         """Sends every rank's prompts to the server and returns at once (`async_generation`); `collect` waits.
+        `images`: each prompt's images (a vision-language model).
 
         The collective part (gathering the prompts on rank 0) and the sending of every request run here, in
         the caller's thread, so the server has the whole batch before the trainer's work starts; a daemon
@@ -261,21 +332,33 @@ class VLLMServerBackend:
         thread."""
         from accelerate.utils import gather_object
 
-        ids = prompt_token_ids(self.tokenizer, prompts, self.params.max_prompt_length, add_special_tokens)
-        everyone = gather_object([ids]) if self.acc.num_processes > 1 else [ids]
+        if images is None:
+            ids = prompt_token_ids(self.tokenizer, prompts, self.params.max_prompt_length, add_special_tokens)
+            mine, vision = [(ids, None, None)], None
+        else:  # the server expands the images itself, as the trainer's processor must (checked when it answers)
+            with_images = vision_prompt_token_ids(self.processor, prompts, images, self.params.max_prompt_length,
+                                                  self.own_positions, add_special_tokens)
+            ids, vision = with_images.expanded, with_images.vision
+            urls = [[image_data_url(i) for i in prompt_images] for prompt_images in images]
+            mine = [(with_images.sent, ids, urls)]
+        everyone = gather_object(mine) if self.acc.num_processes > 1 else mine
         self.calls += 1
         result: Future = Future()
         if self.acc.is_main_process:
-            everyone_ids = [p for rank in everyone for p in rank]
+            sent_ids = [p for rank, _, _ in everyone for p in rank]
+            expanded = None if images is None else [p for _, rank, _ in everyone for p in rank]
+            urls = None if images is None else [u for _, _, rank in everyone for u in rank]
+            # seeded by the prompt the trainer scores, as a text prompt is
+            seeds = self._seeds(sent_ids if expanded is None else expanded)
             try:  # on the wire before the trainer's work takes the GIL; a failure is raised by `collect`
-                sent = self._send_all(everyone_ids, num_generations, self._seeds(everyone_ids))
+                sent = self._send_all(sent_ids, num_generations, seeds, urls)
             except VLLMServerError as err:
                 result.set_exception(err)
             else:
-                threading.Thread(target=_fill, args=(result, lambda: self._receive_all(sent)), daemon=True,
+                threading.Thread(target=_fill, args=(result, lambda: self._receive_all(sent, expanded)), daemon=True,
                                  name="rloo-vllm-generate").start()
-        start = sum(len(r) for r in everyone[: self.acc.process_index]) * num_generations
-        return InFlight(ids, num_generations, start, result)
+        start = sum(len(rank) for rank, _, _ in everyone[: self.acc.process_index]) * num_generations
+        return InFlight(ids, num_generations, start, result, vision)
 
     @torch.no_grad()
     def collect(self, request: InFlight) -> Rollout:
@@ -283,8 +366,10 @@ class VLLMServerBackend:
         results = self._on_main(request.result.result)
         G = request.num_generations
         mine = results[request.start: request.start + len(request.ids) * G]
-        return to_rollout(request.ids, [c for c, _ in mine], G, self.tokenizer.pad_token_id, self.eos_ids,
-                           [lp for _, lp in mine])
+        rollout = to_rollout(request.ids, [c for c, _ in mine], G, self.tokenizer.pad_token_id, self.eos_ids,
+                             [lp for _, lp in mine])
+        rollout.vision = None if request.vision is None else request.vision.repeat(G)
+        return rollout
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -309,6 +394,8 @@ class VLLMServerBackend:
             # vLLM's finish_weight_update keeps the prefix cache: a prompt prefix cached before the sync (a system
             # prompt, the chat template, a second epoch) would be continued from KV of the old weights.
             self.client.reset_prefix_cache()
+            if self.processor is not None:  # and the images' vision-tower outputs, computed by the old weights
+                self.client.post("/reset_encoder_cache")
         except Exception as err:
             self.source.finish_pass()  # FSDP2: the other ranks are still in this pass's gathers
             if isinstance(err, VLLMServerError):

