@@ -82,24 +82,35 @@ def test_a_processor_that_expands_images_otherwise_than_the_server_is_named(serv
         backend.close()
 
 
-def test_a_vision_language_model_trains_in_server_mode_over_repeated_images_with_async_generation(
+def test_a_vision_language_model_trains_in_server_mode_over_repeated_images_on_one_or_two_processes(
         server, idefics3, tmp_path):
     """Two epochs over 8 pictures, so every image comes back after weight syncs (each sync resets the server's
-    encoder cache too), with the next batch generating on the server during the update."""
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "rloo_engine", "train", "--model_name_or_path", str(idefics3), "--dataset_name",
-           str(picture_rows(tmp_path)), "--reward_funcs", "tests.engine.helpers:target_token_fraction",
-           "--output_dir", str(out), "--num_generations", "4", "--per_device_train_batch_size", "8",
-           "--max_completion_length", "8", "--max_prompt_length", "64", "--learning_rate", "1e-2", "--max_steps", "6",
-           "--logging_steps", "1", "--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_base_url",
-           server.url, "--vllm_group_port", str(free_port()), "--async_generation", "true",
-           "--vllm_importance_sampling_correction", "true", "--disable_tqdm", "true"]
-    proc = subprocess.run(cmd, env=engine_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and rows[-1]["epoch"] == 1.5  # every image seen twice
-    assert all("vllm/logprob_diff_mean" in r for r in rows) and any(r["grad_norm"] > 0 for r in rows)
-    assert server.get("/weight_info")["weight_version"] == "6"
+    encoder cache too), with the next batch generating on the server during the update. Two processes: rank 0
+    sends both ranks' prompts with their images and each rank keeps its own rows' pixels; per-prompt seeds give
+    the samples of one process with twice the batch, so the rewards are the same step for step."""
+    data = picture_rows(tmp_path)
+
+    def train(out, processes: int):
+        launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                  "--main_process_port", "0", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend",
+                  "no", "-m", "rloo_engine"] if processes == 2 else [sys.executable, "-m", "rloo_engine"]
+        cmd = launch + [
+            "train", "--model_name_or_path", str(idefics3), "--dataset_name", str(data), "--reward_funcs",
+            "tests.engine.helpers:target_token_fraction", "--output_dir", str(out), "--num_generations", "4",
+            "--per_device_train_batch_size", str(8 // processes), "--max_completion_length", "8",
+            "--max_prompt_length", "64", "--learning_rate", "1e-2", "--max_steps", "6", "--logging_steps", "1",
+            "--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_base_url", server.url, "--vllm_group_port",
+            str(free_port()), "--async_generation", "true", "--vllm_importance_sampling_correction", "true",
+            "--disable_tqdm", "true", "--seed", "3"]
+        proc = subprocess.run(cmd, env=engine_env(), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert server.get("/weight_info")["weight_version"] == "6"
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    two, one = train(tmp_path / "two", 2), train(tmp_path / "one", 1)
+    assert [r["step"] for r in two] == [1, 2, 3, 4, 5, 6] and two[-1]["epoch"] == 1.5  # every image seen twice
+    assert all("vllm/logprob_diff_mean" in r for r in two) and any(r["grad_norm"] > 0 for r in two)
+    assert [r["reward"] for r in two] == pytest.approx([r["reward"] for r in one])
 
 
 def test_a_server_without_the_tokens_in_route_is_refused_at_connect(idefics3, tmp_path):
