@@ -148,10 +148,14 @@ class InFlight:
     vision: VisionRows | None = None  # this rank's prompts' pixel inputs (a vision-language model)
 
 
+# The modes PNG holds; others (a CMYK or YCbCr JPEG) go as RGB, the mode the processors on both sides convert to.
+PNG_MODES = ("1", "L", "LA", "P", "RGB", "RGBA", "I", "I;16")
+
+
 def image_data_url(image) -> str:
     """A PIL image as a PNG data URL: lossless, so the server decodes the very pixels the trainer processed."""
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
+    (image if image.mode in PNG_MODES else image.convert("RGB")).save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 

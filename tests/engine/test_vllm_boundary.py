@@ -261,3 +261,25 @@ def test_sleep_mode_is_refused_without_cuda(qwen2_model):
     with pytest.raises(ConfigError, match=r"vllm_enable_sleep_mode: true needs CUDA"):
         VLLMColocateBackend(str(qwen2_model), AutoTokenizer.from_pretrained(qwen2_model), SamplingParams(4),
                             sleep_mode=True)
+
+
+def test_images_reach_a_vllm_server_as_lossless_png_data_urls():
+    """Server mode sends a vision-language model's images as PNG data URLs: the pixels decode unchanged, and a mode
+    PNG cannot hold (a CMYK JPEG's) goes as RGB, which the processors convert every image to anyway."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from rloo_engine.generation.vllm_server import image_data_url
+
+    def decoded(url: str) -> Image.Image:
+        assert url.startswith("data:image/png;base64,")
+        return Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+
+    pixels = np.random.default_rng(0).integers(0, 256, (9, 7, 4), dtype=np.uint8)
+    rgba = Image.fromarray(pixels, "RGBA")
+    assert (np.asarray(decoded(image_data_url(rgba))) == pixels).all()
+    cmyk = rgba.convert("CMYK")
+    assert (np.asarray(decoded(image_data_url(cmyk))) == np.asarray(cmyk.convert("RGB"))).all()
