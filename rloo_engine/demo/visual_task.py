@@ -7,14 +7,17 @@ An image is a 28 x 28 grey, noisy picture with one square of a colour in it; the
 
 The gold rule (`gold_score`) stands in for a human who looks at the picture:
 
-    colour    +1 if the reply names the square's colour and no other, -1 if it names another colour
+    colour    +1 if the reply names the square's colour and no other, -1 if it names another colour or none
     finish    +0.25 if the reply ends with a full stop
 
-The best score is 1.25. The SFT data is right only half the time (`sft_completion`: the true colour with
-probability `SFT_ACCURACY`, else one of the others), so the SFT policy guesses, and RLOO has to learn to look:
-the colour is only in the pixels, never in the prompt. The policy trains against the rule as a reward function
-that reads each row's picture (`gold_reward`, TRL's `image` keyword); the evaluation judges policy against SFT
-with the same rule (`gold_judge`), which is what makes the demo checkable.
+The best score is 1.25. A reply that names no colour scores as a wrong one. With 0 for it (the first rule), the
+seeded run learned to look on an Intel Xeon (right colour 37.5% -> 82%) and on an AMD EPYC learned instead to name
+no colour when unsure (37.5% -> 48%, gold 0.70): the lesson hung on the CPU's kernels. The SFT data is right only
+half the time (`sft_completion`: the true colour with probability `SFT_ACCURACY`, else one of the others), so the
+SFT policy guesses, and RLOO has to learn to look: the colour is only in the pixels, never in the prompt. The
+policy trains against the rule as a reward function that reads each row's picture (`gold_reward`, TRL's `image`
+keyword); the evaluation judges policy against SFT with the same rule (`gold_judge`), which is what makes the demo
+checkable.
 """
 
 from __future__ import annotations
@@ -55,9 +58,10 @@ def named_colours(text: str) -> list[str]:
 
 
 def gold_score(completion: str, colour: str) -> float:
-    """The hidden rule: +1 for naming the square's colour alone, -1 for naming another, +0.25 for a full stop."""
+    """The hidden rule: +1 for naming the square's colour alone, -1 for naming another or none, +0.25 for a full
+    stop."""
     named = set(named_colours(completion))
-    score = 1.0 if named == {colour} else -1.0 if named - {colour} else 0.0
+    score = 1.0 if named == {colour} else -1.0
     return score + (0.25 if completion.strip().endswith(".") else 0.0)
 
 

@@ -34,7 +34,7 @@ def test_the_rule_reads_the_colour_from_the_pixels():
         assert task.square_colour(task.picture(colour, seed=k)) == colour
     assert task.gold_score("the square is red.", "red") == 1.25
     assert task.gold_score("the square is red or blue", "red") == -1.0
-    assert task.gold_score("it is", "red") == 0.0
+    assert task.gold_score("it is", "red") == -1.0  # naming no colour is no safe way out of looking
     rewards = task.gold_reward([[{"role": "assistant", "content": "it is blue."}]], [task.picture("blue", 3)])
     assert rewards == [1.25]  # TRL's conversational completions and the dataset's image column
 
