@@ -32,6 +32,7 @@ from rloo_engine.generation.vllm_common import (
     import_vllm,
     one_at_a_time,
     prompt_token_ids,
+    suppressing,
     to_rollout,
     vision_prompt_token_ids,
     vllm_weight_items,
@@ -148,9 +149,8 @@ class VLLMColocateBackend:
 
     def _sampling_params(self, n: int):
         kwargs = sampling_kwargs(self.params, n, self.eos_ids, self.structured_outputs_regex)
-        if self.processor is not None:  # a sampled image token would have no features to match (as in HF, TRL)
-            placeholders = placeholder_token_ids(self.llm.llm_engine.model_config.hf_config)
-            kwargs["logit_bias"] = {**(kwargs.get("logit_bias") or {}), **{i: -100.0 for i in placeholders}}
+        if self.processor is not None:
+            kwargs = suppressing(kwargs, placeholder_token_ids(self.llm.llm_engine.model_config.hf_config))
         if isinstance(kwargs.get("structured_outputs"), dict):  # also from generation_kwargs, as TRL converts it
             from vllm.sampling_params import StructuredOutputsParams
 

@@ -52,6 +52,12 @@ def vision_prompt_token_ids(processor, prompts: list[str], images: list[list], m
     return VisionPrompts(sent, expanded, vision)
 
 
+def suppressing(sampling: dict, placeholder_ids) -> dict:
+    """vLLM sampling fields with a logit bias of -100 on each image placeholder id, beside any bias they hold: a
+    sampled placeholder would have no features to match (HF generation suppresses them too, as TRL does)."""
+    return {**sampling, "logit_bias": {**(sampling.get("logit_bias") or {}), **{i: -100.0 for i in placeholder_ids}}}
+
+
 def expansion_mismatch(vllm_ids: list[int], trainer_ids: list[int], k: int) -> str | None:
     """Why prompt `k` as vLLM expanded its images is not the prompt the trainer scores, or None when they agree."""
     if vllm_ids == trainer_ids:

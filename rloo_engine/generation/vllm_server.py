@@ -6,10 +6,12 @@ scores. A vision-language model's prompts go to vLLM's tokens-in route, `/infere
 `--enable-scale-out`, which `rloo-engine vllm-serve` sets): the ids with the chat template's placeholder per image,
 and the images beside them as PNG data URLs (lossless: the server decodes the pixels the trainer processed). The
 server expands each image's placeholder as colocate's engine does, and its expanded prompt must be the one the
-trainer's processor wrote (checked on every reply). Weights go through vLLM's weight-transfer API (`/init_weight_transfer_engine`, `/update_weights`,
-...): NCCL on GPU, the `rloo_gloo` engine on CPU. Each sync's `/finish_weight_update` also sets the server's
-weight version to the trainer's optimizer step, and `/reset_prefix_cache` drops the KV the old weights computed
-(and `/reset_encoder_cache` a vision tower's outputs).
+trainer's processor wrote (checked on every reply).
+
+Weights go through vLLM's weight-transfer API (`/init_weight_transfer_engine`, `/update_weights`, ...): NCCL on
+GPU, the `rloo_gloo` engine on CPU. Each sync's `/finish_weight_update` also sets the server's weight version to
+the trainer's optimizer step, and `/reset_prefix_cache` drops the KV the old weights computed (and
+`/reset_encoder_cache` a vision tower's outputs).
 
 With `async_generation` the trainer `submit`s the next batch's prompts before updating on this one and
 `collect`s them after, so the server generates while the trainer computes (one step off-policy).
@@ -43,6 +45,7 @@ from rloo_engine.generation.vllm_common import (
     import_vllm,
     one_at_a_time,
     prompt_token_ids,
+    suppressing,
     to_rollout,
     vision_prompt_token_ids,
     vllm_weight_items,
@@ -272,11 +275,9 @@ class VLLMServerBackend:
     def _tokens_body(self, ids: list[int], image_urls: list[str], n: int, seed: int) -> dict:
         """The same request for the tokens-in route: the sampling fields as vLLM's `SamplingParams`, the images as
         content parts, and the image tokens suppressed (a sampled one would have no features to match)."""
-        sampling = self._body(ids, n, seed)
+        sampling = suppressing(self._body(ids, n, seed), self.placeholder_ids)
         for key in ("model", "prompt", "return_token_ids"):
             del sampling[key]
-        if self.placeholder_ids:
-            sampling["logit_bias"] = {**(sampling.get("logit_bias") or {}), **{i: -100.0 for i in self.placeholder_ids}}
         return dict(model=self.model_id, token_ids=ids, sampling_params=sampling, return_token_ids=True,
                     content_parts=[{"type": "image_url", "url": url} for url in image_urls])
 
