@@ -26,6 +26,7 @@ import torch
 
 from rloo_engine import algorithm as A
 from rloo_engine.distributed import is_shard
+from rloo_engine.logits_logprobs import logits_token_log_probs
 from rloo_engine.prompt_sharing import prompt_groups, shared_prompt_outputs
 from rloo_engine.vision import VisionRows
 
@@ -185,27 +186,30 @@ def completion_token_logps(
     """
     tokens = input_ids[:, prompt_length:]
     head = chunkable_head(model) if chunked else None
-    out = _completion_outputs(model, _run_to_head(head), input_ids, attention_mask, prompt_length, share_prompts,
-                              vision)
+    pieces = _completion_outputs(model, _run_to_head(head), input_ids, attention_mask, prompt_length, share_prompts,
+                                 vision)
     if head is None:
-        return A.token_log_probs(out, tokens, temperature, with_entropy)
-    return chunked_token_log_probs(out, head, tokens, temperature, with_entropy)
+        return logits_token_log_probs(pieces, tokens, temperature, with_entropy)
+    return chunked_token_log_probs(torch.cat(pieces, 1), head, tokens, temperature, with_entropy)
 
 
 def _completion_outputs(model, run, input_ids, attention_mask, prompt_length: int, share_prompts: bool,
-                        vision: VisionRows | None = None):
-    """`run`'s output (logits, or the head's input) at the T positions that predict the completion tokens."""
+                        vision: VisionRows | None = None) -> list[torch.Tensor]:
+    """`run`'s output (logits, or the head's input) at the T positions that predict the completion tokens, as
+    pieces along the positions (B, T_k, .) that are the forward's own outputs (no slice or `cat` of the logits).
+    The last completion token predicts nothing scored, so no forward runs it."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     groups = (prompt_groups(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
               if share_prompts and prompt_length > 1 and vision is None else None)
     if groups is None:
         completion_len = input_ids.size(1) - prompt_length
+        length = input_ids.size(1) - 1  # position t predicts token t + 1
         # on the ids' device: vLLM's rollouts carry the pixels on the CPU
-        extra = {} if vision is None else vision.to(input_ids.device).model_kwargs(input_ids.size(1))
+        extra = {} if vision is None else vision.to(input_ids.device).model_kwargs(length)
         if vision is None or not vision.own_positions:  # Qwen2-VL numbers positions from the images itself
-            extra["position_ids"] = position_ids
-        return run(model, input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=completion_len + 1,
-                   use_cache=False, **extra)[:, :-1]  # position t predicts token t + 1
+            extra["position_ids"] = position_ids[:, :length]
+        return [run(model, input_ids=input_ids[:, :length], attention_mask=attention_mask[:, :length],
+                    logits_to_keep=completion_len, use_cache=False, **extra)]
     return shared_prompt_outputs(model, run, input_ids, attention_mask, position_ids, prompt_length, groups)
 
 
@@ -303,8 +307,8 @@ def batched_truncated_token_logps(model, input_ids, attention_mask, prompt_lengt
     with frozen(model):
         for i in range(0, input_ids.size(0), batch_size):
             rows = slice(i, i + batch_size)
-            logits = _completion_outputs(model, _run_to_head(None), input_ids[rows], attention_mask[rows],
-                                         prompt_length, share_prompts, _rows(vision, i, batch_size))
+            logits = torch.cat(_completion_outputs(model, _run_to_head(None), input_ids[rows], attention_mask[rows],
+                                                   prompt_length, share_prompts, _rows(vision, i, batch_size)), 1)
             logps.append(A.token_log_probs(logits, tokens[rows], temperature)[0])
             kept.append(torch.stack([A.sampling_kept_log_mass(row.float() / temperature, **truncation)
                                      for row in logits]))  # a (T, V) slice at a time, as token_log_probs

@@ -38,7 +38,8 @@ def shared_prompt_outputs(model, run, input_ids: torch.Tensor, attention_mask: t
                           position_ids: torch.Tensor, prompt_length: int,
                           groups: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """What `run(model, **forward kwargs)` returns (logits or the LM head's input, (B, positions, .)) for the T
-    positions that predict the completion tokens, with the prompt computed once per distinct prompt."""
+    positions that predict the completion tokens, with the prompt computed once per distinct prompt: two pieces
+    along the positions, the last prompt position's (B, 1, .) and the completion's first T - 1 (B, T - 1, .)."""
     from transformers import DynamicCache
 
     firsts, inverse = groups
@@ -51,15 +52,19 @@ def shared_prompt_outputs(model, run, input_ids: torch.Tensor, attention_mask: t
     last = run(getattr(model, "module", model), input_ids=input_ids[firsts, :P],
                attention_mask=attention_mask[firsts, :P], position_ids=position_ids[firsts, :P], use_cache=True,
                logits_to_keep=1, **cache_arg)
-    cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...), differentiable
     T = input_ids.size(1) - P
-    rest = run(model, input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=position_ids[:, P:],
-               use_cache=True, logits_to_keep=T, **cache_arg)
-    if cache.get_seq_length() != P + T:  # e.g. gradient checkpointing drops the cache in training mode
+    if T == 1:
+        return [last[inverse]]
+    cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...), differentiable
+    # The completion but its last token, which predicts nothing scored: positions P .. P+T-2.
+    end = P + T - 1
+    rest = run(model, input_ids=input_ids[:, P:end], attention_mask=attention_mask[:, :end],
+               position_ids=position_ids[:, P:end], use_cache=True, logits_to_keep=T - 1, **cache_arg)
+    if cache.get_seq_length() != end:  # e.g. gradient checkpointing drops the cache in training mode
         raise RuntimeError(f"share_prompt_forward: the completion pass did not run on the prompts' KV cache (it "
-                           f"holds {cache.get_seq_length()} positions, expected {P + T}); gradient checkpointing? "
+                           f"holds {cache.get_seq_length()} positions, expected {end}); gradient checkpointing? "
                            "set share_prompt_forward: false")
-    return torch.cat([last[inverse], rest[:, :-1]], 1)  # positions P-1 .. P+T-2
+    return [last[inverse], rest]  # positions P-1, then P .. P+T-2
 
 
 # ---------------------------------------------------------------- reward models
