@@ -20,6 +20,7 @@ import contextlib
 import copy
 import gc
 import os
+import sys
 
 import torch
 from accelerate import Accelerator
@@ -148,6 +149,19 @@ def is_shard(tensor: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
+
+
+def unwrapped(acc: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """`acc.unwrap_model(model)`, without importing DeepSpeed into a run that does not use it. Accelerate's unwrap
+    imports DeepSpeed whenever it is installed, and DeepSpeed imports MLflow: ~50 MiB of resident memory and ~1 s
+    (bench/README.md, round 3). A model can only be a DeepSpeed engine once DeepSpeed is imported, so until then
+    only the wrapper a run without it puts on (DDP) is taken off here. transformers' `save_pretrained` still imports
+    it (its own unwrap): a run without DeepSpeed pays it at its first checkpoint or final save, not at start-up."""
+    if "deepspeed" in sys.modules or is_deepspeed(acc):
+        return acc.unwrap_model(model)
+    while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        model = model.module
+    return model
 
 
 def zero_stage(acc: Accelerator) -> int:
@@ -280,7 +294,7 @@ def _fsdp2_unsharded(acc: Accelerator, model: torch.nn.Module):
         # and head, where the backward starts) stay unsharded after forward, sparing a re-gather in every backward.
         model.set_reshard_after_forward(bool(acc.state.fsdp_plugin.reshard_after_forward))
         model.set_reshard_after_forward(False, recurse=False)
-        head = acc.unwrap_model(model).get_output_embeddings()
+        head = unwrapped(acc, model).get_output_embeddings()
         if isinstance(head, FSDPModule):
             head.set_reshard_after_forward(False, recurse=False)
 

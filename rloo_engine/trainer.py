@@ -180,9 +180,9 @@ class RLOOTrainer(TrainerBookkeeping):
 
     def _default_backend(self) -> GenerationBackend:
         return build_backend(self.cfg, self.tokenizer, self._sampling_params(), self.acc,
-                             policy_getter=lambda: self.acc.unwrap_model(self.policy),
+                             policy_getter=lambda: self.unwrapped_policy,
                              gather=lambda: full_weights_for_generation(self.acc, self.policy),
-                             record_logps=record_decoding_logprobs(self.cfg, self.acc.unwrap_model(self.policy)),
+                             record_logps=record_decoding_logprobs(self.cfg, self.unwrapped_policy),
                              position_limit=self.position_limit, say=self._say, processor=self.processor)
 
     def _say(self, message: str) -> None:
@@ -278,7 +278,7 @@ class RLOOTrainer(TrainerBookkeeping):
                         # accelerate's autocast wraps only the prepared model's forward; every log-prob pass runs
                         # inside it explicitly, so the chunked head (which runs after the forward) and the
                         # reference use the policy's precision, and identical models give a KL of exactly 0.
-                        policy = self.acc.unwrap_model(self.policy)
+                        policy = self.unwrapped_policy
                         # Against the training forward's log-probs (old_logps None), with its kernels: identical
                         # models then give a KL of exactly 0 there too.
                         with self.acc.autocast(), reference_context(policy, self.ref):
@@ -449,7 +449,7 @@ class RLOOTrainer(TrainerBookkeeping):
                 self.window["memory/max_allocated_gib"].append(torch.cuda.max_memory_allocated() / 2**30)
             if c.sync_ref_model and self.ref is not None and self.global_step % c.ref_model_sync_steps == 0:
                 with gathered_for_update(self.acc, self.policy, self.ref):
-                    sync_reference(self.acc.unwrap_model(self.policy), self.ref, c.ref_model_mixup_alpha)
+                    sync_reference(self.unwrapped_policy, self.ref, c.ref_model_mixup_alpha)
             control = self._callback_flags(self.callbacks.event("on_step_end", c, self.state))
             evaluated = (self._evaluate() if control["should_evaluate"]
                          or self.evaluation.due(self.global_step, epoch_before, self._epoch()) else {})
@@ -487,7 +487,7 @@ class RLOOTrainer(TrainerBookkeeping):
     def _sync_backend(self) -> None:
         """Gives the generation backend this step's weights (under ZeRO-3 gathered first, under FSDP2 as sent)."""
         with self._timed("weight_sync"), weights_for_sync(self.acc, self.policy):
-            self.backend.sync_weights(self.acc.unwrap_model(self.policy), step=self.global_step)
+            self.backend.sync_weights(self.unwrapped_policy, step=self.global_step)
         self.synced_step = self.global_step
 
 def train(cfg: RLOOConfig) -> TrainResult:

@@ -12,7 +12,7 @@ import torch
 
 from rloo_engine import algorithm as A
 from rloo_engine.batch import GenerationBatch
-from rloo_engine.distributed import outside_zero_init
+from rloo_engine.distributed import outside_zero_init, unwrapped
 from rloo_engine.logprobs import batched_token_logps
 from rloo_engine.metrics import reduce_window, window_values
 from rloo_engine.models import load_policy, reference_context
@@ -29,6 +29,11 @@ class TrainerBookkeeping:
         """TRL's name: what is saved beside the model, a vision-language model's processor (its tokenizer, image
         processor and chat template) or the tokenizer."""
         return self.processor or self.tokenizer
+
+    @property
+    def unwrapped_policy(self):
+        """The policy without accelerate's DDP or DeepSpeed wrapper (`distributed.unwrapped`)."""
+        return unwrapped(self.acc, self.policy)
 
     def save_model(self, output_dir: str | None = None) -> Path:
         """TRL's `save_model`: the policy (a LoRA run: its adapter) and tokenizer in HF format, into `output_dir`
@@ -101,7 +106,7 @@ class TrainerBookkeeping:
             with self.acc.autocast():  # the training forwards' fast paths: a group's prompt runs once
                 logps = batched_token_logps(self.policy, ids, attention, P, c.temperature, n, self.chunked_logprobs,
                                             self.share_prompts)
-                with reference_context(self.acc.unwrap_model(self.policy), self.ref):
+                with reference_context(self.unwrapped_policy, self.ref):
                     ref_logps = batched_token_logps(self.ref or self.policy, ids, attention, P, c.temperature, n,
                                                     self.chunked_logprobs, self.share_prompts)
             return A.sequence_kl(logps, ref_logps, mask)

@@ -36,6 +36,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from rloo_engine.config_base import ConfigError
+from rloo_engine.distributed import unwrapped
 from rloo_engine.run.fault_injection import maybe_kill
 
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
@@ -252,7 +253,7 @@ def install_state_hooks(accelerator: Accelerator, model: torch.nn.Module) -> Non
 
     def load_hf_weights(models, input_dir):
         models.clear()
-        load_model_weights(accelerator.unwrap_model(model), Path(input_dir).parent)
+        load_model_weights(unwrapped(accelerator, model), Path(input_dir).parent)
 
     accelerator.register_save_state_pre_hook(skip_weights)
     accelerator.register_load_state_pre_hook(load_hf_weights)
@@ -282,14 +283,21 @@ def load_model_weights(model: torch.nn.Module, ckpt_dir: Path) -> None:
     model.tie_weights()
 
 
+# Runs whose models are whole on every process: `get_state_dict` is then the unwrapped model's `state_dict()`.
+_PLAIN = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+
+
 def full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's weights on rank 0 (collective: every process must call it), tied copies dropped.
 
     DeepSpeed hands back clones, so tied weights (lm_head = embed_tokens) no longer share storage and
     `save_pretrained` would write the embedding twice; the model's own parameter aliasing says which go.
     """
-    state_dict = accelerator.get_state_dict(model) or {}  # ZeRO-3 returns None off rank 0
-    for name in _tied_aliases(accelerator.unwrap_model(model)):
+    if accelerator.distributed_type in _PLAIN:  # accelerate's branch for these, without its DeepSpeed import
+        state_dict = unwrapped(accelerator, model).state_dict()
+    else:
+        state_dict = accelerator.get_state_dict(model) or {}  # ZeRO-3 returns None off rank 0
+    for name in _tied_aliases(unwrapped(accelerator, model)):
         state_dict.pop(name, None)
     return state_dict
 
@@ -352,7 +360,7 @@ def save_checkpoint(
     state_dict = full_state_dict(accelerator, model)
     if accelerator.is_main_process and error is None:
         try:
-            accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict)
+            unwrapped(accelerator, model).save_pretrained(tmp, state_dict=state_dict)
             tokenizer.save_pretrained(tmp)
             (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=1))
             _fsync_tree(tmp)
@@ -429,12 +437,12 @@ def save_final(
     state_dict = full_state_dict(accelerator, model)
     error = None
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
+        inner = unwrapped(accelerator, model)
         try:
             # A PeftModel given the whole state dict keeps only the adapter's entries.
-            _write_model_dir(root / "final", unwrapped, state_dict, tokenizer)
+            _write_model_dir(root / "final", inner, state_dict, tokenizer)
             merged_dir = root / MERGED_DIR
-            if hasattr(unwrapped, "peft_config") and save_merged:
+            if hasattr(inner, "peft_config") and save_merged:
                 merged = fresh_policy()
                 missing, unexpected = merged.load_state_dict(state_dict, strict=False)
                 if unexpected or set(missing) - _tied_aliases(merged):
@@ -472,7 +480,7 @@ def save_model_files(accelerator: Accelerator, model: torch.nn.Module, tokenizer
     state_dict = full_state_dict(accelerator, model)
     if accelerator.is_main_process:
         Path(target).mkdir(parents=True, exist_ok=True)
-        accelerator.unwrap_model(model).save_pretrained(target, state_dict=state_dict)
+        unwrapped(accelerator, model).save_pretrained(target, state_dict=state_dict)
         tokenizer.save_pretrained(target)
     accelerator.wait_for_everyone()
 

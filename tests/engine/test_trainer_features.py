@@ -111,3 +111,36 @@ def test_every_fast_path_probe_says_why_in_one_format():
     assert said == ["rloo-engine: p: no cache here; plain",
                     "rloo-engine: p: on a probe batch it is up to 0.5 away from the plain path (tolerance 0.0001); plain",
                     "rloo-engine: p: its check failed (IndexError: index 3 is out of bounds); plain"]
+
+
+def test_a_run_without_deepspeed_does_not_import_it_while_training(qwen2_model, tmp_path):
+    # accelerate's unwrap_model imports DeepSpeed whenever it is installed (and DeepSpeed imports MLflow): ~50 MiB
+    # resident and ~1 s for a run that never uses it. transformers' save_pretrained does the same (its own unwrap),
+    # so a run without DeepSpeed imports it at its first checkpoint or the final save, not at start-up.
+    import json
+    import subprocess
+    import sys
+
+    from tests.engine.helpers import repo_pythonpath
+
+    script = (
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "from rloo_engine.trainer import RLOOTrainer\n"
+        "from transformers import TrainerCallback\n"
+        "from tests.engine.helpers import tiny_config\n"
+        "class Watch(TrainerCallback):\n"
+        "    seen = []\n"
+        "    def on_step_end(self, args, state, control, **kw):\n"
+        "        Watch.seen.append('deepspeed' in sys.modules)\n"
+        f"cfg = tiny_config(Path({str(tmp_path)!r}), Path({str(qwen2_model)!r}), max_steps=2, beta=0.05)\n"
+        "RLOOTrainer(cfg, callbacks=[Watch()]).train()\n"
+        "print(json.dumps(Watch.seen))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": repo_pythonpath()})
+    assert out.returncode == 0, out.stderr[-3000:]
+    import importlib.util
+
+    assert importlib.util.find_spec("deepspeed") is not None  # installed: the case this guards
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [False, False]  # after each of the two steps
