@@ -5,7 +5,10 @@
 #
 # The release and the huggingface_hub it needs (<2) go into an overlay directory inside the venv, put first on
 # PYTHONPATH; every other package is the main venv's. Installing an overlay takes a few seconds.
-# Usage: scripts/test_engine_on_transformers.sh [--version X.Y.Z] [pytest args]   (default: oldest, tests/engine)
+# Usage: scripts/test_engine_on_transformers.sh [--version X.Y.Z] [pytest args]
+# Defaults: the oldest release, and the engine test files that call transformers in process (the `run` lines of
+# scripts/engine_tests_on_oldest_transformers.txt); the rest test what no transformers release changes, and the main
+# suite runs them on the newest. `tests/engine` as the pytest argument runs them all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${RLOO_VENV:-.venv}"
@@ -30,5 +33,5 @@ if [ ! -f "$overlay/.complete" ]; then
 fi
 export PYTHONPATH="$PWD/$overlay${PYTHONPATH:+:$PYTHONPATH}"
 "$py" -c "import sys, transformers, huggingface_hub as h; assert transformers.__version__ == sys.argv[1], transformers.__version__; print(f'engine-on-transformers: transformers {transformers.__version__}, huggingface_hub {h.__version__}')" "$version"
-[ $# -gt 0 ] || set -- tests/engine
+[ $# -gt 0 ] || set -- $(awk '$1 == "run" {print $2}' scripts/engine_tests_on_oldest_transformers.txt)
 exec "$py" -m pytest -q -rsfE -p no:cacheprovider "$@"
