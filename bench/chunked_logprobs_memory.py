@@ -1,7 +1,13 @@
-"""Peak memory and time of one log-prob forward + backward through the LM head: chunked vs full logits.
+"""Peak memory and time of one log-prob forward + backward through the LM head: the engine's two paths against the
+readable math.
 
     OMP_NUM_THREADS=2 python bench/chunked_logprobs_memory.py                # the default grid, ~5 min on 2 CPU cores
     python bench/chunked_logprobs_memory.py --hidden 2048 4096 --vocab 151936 --positions 128 --output r.json
+
+Three paths over the same head: `reference`, `algorithm.token_log_probs` under autograd (what the engine ran
+until the full-logits path below: float32 copies of the logits kept for the backward, the gradient built as more
+(B, T, V) tensors); `full`, `logits_logprobs.logits_token_log_probs` (the engine's default: the logits kept, their
+gradient written over them); `chunked`, `chunked_logprobs: true`. The ratios are each path's over `reference`.
 
 `chunked_logprobs` trades the (positions, V) logits for per-chunk recomputation, but its backward
 accumulates the head's weight gradient, a (V, H) float32 tensor, which the full path also makes. So the
@@ -24,7 +30,7 @@ import subprocess
 import sys
 import time
 
-PATHS = ("full", "chunked")
+PATHS = ("reference", "full", "chunked")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,6 +54,7 @@ def run_case(hidden: int, vocab: int, positions: int, path: str, dtype: str) -> 
     import torch
 
     from rloo_engine.algorithm import token_log_probs
+    from rloo_engine.logits_logprobs import logits_token_log_probs
     from rloo_engine.logprobs import chunked_token_log_probs
 
     torch.manual_seed(0)
@@ -60,6 +67,8 @@ def run_case(hidden: int, vocab: int, positions: int, path: str, dtype: str) -> 
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
         if path == "chunked":
             logps, _ = chunked_token_log_probs(h, head, tokens)
+        elif path == "full":
+            logps, _ = logits_token_log_probs([head(h)], tokens)
         else:
             logps, _ = token_log_probs(head(h), tokens)
     logps.sum().backward()
@@ -76,17 +85,19 @@ def measure(hidden: int, vocab: int, positions: int, path: str, dtype: str) -> d
 
 
 def compare(results: list[dict]) -> list[dict]:
-    """One row per shape: the chunked path's peak and time as ratios of the full path's."""
+    """One row per shape: each engine path's peak and time as ratios of the reference path's."""
     by_shape: dict[tuple, dict[str, dict]] = {}
     for r in results:
         by_shape.setdefault((r["hidden"], r["vocab"], r["positions"]), {})[r["path"]] = r
     rows = []
     for (hidden, vocab, positions), paths in sorted(by_shape.items()):
-        full, chunked = paths["full"], paths["chunked"]
-        rows.append({"hidden": hidden, "vocab": vocab, "positions": positions,
-                     "full_peak_mib": full["peak_mib"], "chunked_peak_mib": chunked["peak_mib"],
-                     "peak_ratio": round(chunked["peak_mib"] / max(full["peak_mib"], 1.0), 2),
-                     "time_ratio": round(chunked["seconds"] / full["seconds"], 2)})
+        reference = paths["reference"]
+        row = {"hidden": hidden, "vocab": vocab, "positions": positions, "reference_peak_mib": reference["peak_mib"]}
+        for path in ("full", "chunked"):
+            row[f"{path}_peak_mib"] = paths[path]["peak_mib"]
+            row[f"{path}_peak_ratio"] = round(paths[path]["peak_mib"] / max(reference["peak_mib"], 1.0), 2)
+            row[f"{path}_time_ratio"] = round(paths[path]["seconds"] / reference["seconds"], 2)
+        rows.append(row)
     return rows
 
 
@@ -104,10 +115,12 @@ def main(argv: list[str] | None = None) -> None:
                     results.append(measure(hidden, vocab, positions, path, args.dtype))
                     print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     rows = compare(results)
-    print(f"{'H':>5} {'V':>7} {'B*T':>5} {'full MiB':>9} {'chunked MiB':>12} {'peak ratio':>10} {'time ratio':>10}")
+    print(f"{'H':>5} {'V':>7} {'B*T':>5} {'reference MiB':>13} {'full MiB':>9} {'peak':>5} {'time':>5} "
+          f"{'chunked MiB':>12} {'peak':>5} {'time':>5}   (peak, time: / reference)")
     for r in rows:
-        print(f"{r['hidden']:>5} {r['vocab']:>7} {r['positions']:>5} {r['full_peak_mib']:>9} "
-              f"{r['chunked_peak_mib']:>12} {r['peak_ratio']:>10} {r['time_ratio']:>10}")
+        print(f"{r['hidden']:>5} {r['vocab']:>7} {r['positions']:>5} {r['reference_peak_mib']:>13} "
+              f"{r['full_peak_mib']:>9} {r['full_peak_ratio']:>5} {r['full_time_ratio']:>5} "
+              f"{r['chunked_peak_mib']:>12} {r['chunked_peak_ratio']:>5} {r['chunked_time_ratio']:>5}")
     print(f"load average {os.getloadavg()[0]:.2f}, dtype {args.dtype}, torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}")
     if args.output:
         with open(args.output, "w") as f:

@@ -6,8 +6,9 @@ tensors (the logsumexp's and the gather's, summed, then stacked). At vocabulary 
 each of those is 594 MiB: the update's largest tensors. Here the forward keeps only the logits (already alive) and
 one log-normaliser per position; the backward turns each chunk of logits into its gradient in place,
 d logp(token) / d logit_v = ([v == token] - softmax_v) / temperature, and hands the same buffer to the LM head's
-backward. Same values and gradients (the same float32 operations); measured on a (16, 64) x 152k head: peak
-memory of the update's head 1799 -> 924 MiB, its forward+backward 9.7 -> 5.9 s (bench/README.md, round 3).
+backward. Same values and gradients (the same float32 operations); measured on a (16, 64) x 152k head over
+hidden 512: peak memory of the head's forward+backward 1799 -> 973 MiB, its time 10.0 -> 7.3 s (bench/README.md,
+round 3).
 
 The logits are consumed: after the backward they hold their gradient. Callers pass logits nobody else reads
 (`logprobs.completion_token_logps` passes the model's fresh head output). A second backward through the same
