@@ -6,7 +6,8 @@
 # The release and the huggingface_hub it needs (<2) go into an overlay directory inside the venv, put first on
 # PYTHONPATH; every other package is the main venv's. Installing an overlay takes a few seconds.
 # Usage: scripts/test_engine_on_transformers.sh [--version X.Y.Z] [pytest args]
-# Defaults: the oldest release, and the engine test files that call transformers in process (the `run` lines of
+# Defaults: the oldest release, and, when no pytest argument names a test path (options alone, e.g. --durations=20,
+# run them too), the engine test files that call transformers in process (the `run` lines of
 # scripts/engine_tests_on_oldest_transformers.txt); the rest test what no transformers release changes, and the main
 # suite runs them on the newest. `tests/engine` as the pytest argument runs them all.
 set -euo pipefail
@@ -33,5 +34,9 @@ if [ ! -f "$overlay/.complete" ]; then
 fi
 export PYTHONPATH="$PWD/$overlay${PYTHONPATH:+:$PYTHONPATH}"
 "$py" -c "import sys, transformers, huggingface_hub as h; assert transformers.__version__ == sys.argv[1], transformers.__version__; print(f'engine-on-transformers: transformers {transformers.__version__}, huggingface_hub {h.__version__}')" "$version"
-[ $# -gt 0 ] || set -- $(awk '$1 == "run" {print $2}' scripts/engine_tests_on_oldest_transformers.txt)
+named_path=0
+for arg in "$@"; do
+  if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then named_path=1; fi
+done
+[ "$named_path" -eq 1 ] || set -- "$@" $(awk '$1 == "run" {print $2}' scripts/engine_tests_on_oldest_transformers.txt)
 exec "$py" -m pytest -q -rsfE -p no:cacheprovider "$@"
