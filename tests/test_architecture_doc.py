@@ -58,7 +58,7 @@ def test_the_engine_root_holds_the_loop_the_math_config_data_models_rewards_and_
                                                    "sampling", "train_preflight", "fault_injection", "rollout"))}
     rooms = {  # what the engine root holds; a new root module needs a place here, or a room of its own
         "loop": {"trainer", "trainer_inputs", "trainer_bookkeeping", "callbacks", "eval_during_training", "batch",
-                 "prompt_feed", "prompt_stream", "logprobs", "prompt_sharing", "fast_path", "distributed",
+                 "prompt_feed", "prompt_stream", "logprobs", "logits_logprobs", "prompt_sharing", "fast_path", "distributed",
                  "metrics", "mlflow_sender", "progress", "trackers", "optim", "schedules", "machine_flags",
                  "torch_extensions"},
         "math": {"algorithm"},
