@@ -36,7 +36,7 @@ def _base(model: torch.nn.Module) -> torch.nn.Module:
 
 def shared_prompt_outputs(model, run, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                           position_ids: torch.Tensor, prompt_length: int,
-                          groups: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                          groups: tuple[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
     """What `run(model, **forward kwargs)` returns (logits or the LM head's input, (B, positions, .)) for the T
     positions that predict the completion tokens, with the prompt computed once per distinct prompt: two pieces
     along the positions, the last prompt position's (B, 1, .) and the completion's first T - 1 (B, T - 1, .)."""
