@@ -431,7 +431,9 @@ def print_size(size: dict, args: argparse.Namespace) -> None:
 
 
 def print_table(sizes: list[dict]) -> None:
-    """Every shape in one table, then the worst and the best shape's speed-up (a headline quotes both)."""
+    """Every cell in one table, worst speed-up first, then the arithmetic of each in the same order, then the worst and
+    the best cell (a headline quotes both)."""
+    sizes = sorted(sizes, key=lambda z: z["comparison"]["speedup"])
     levers = "levers_speedup" in sizes[0]["comparison"]
     print("| shape (hidden, layers, intermediate, vocab) | prompt tok | params | TRL s/step | engine s/step | speed "
           "| peak RSS ratio | load before/after |" + (" levers s/step | levers speed | levers RSS ratio |" if levers else ""))
@@ -493,7 +495,10 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     trl_ver, torch_ver = trl_version(args.trl_python).split()
-    print(f"rloo-engine vs TRL (bench/vs_trl.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})")
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    print(f"rloo-engine vs TRL (bench/vs_trl.py, commit {commit}, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})")
     print(f"TRL {trl_ver}, torch {torch_ver}; {os.cpu_count()} CPUs, one torch thread per run (OMP_NUM_THREADS=1)")
     print(f"config    {args.batch} completions/step = {args.batch // args.num_generations} prompts x "
           f"G={args.num_generations}; prompts of {'/'.join(map(str, args.prompt_lengths))} tok, "
@@ -531,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes.append(size)
     print_table(sizes)
     if args.output:
-        args.output.write_text(json.dumps({"trl": trl_ver, "torch": torch_ver, "args": {
+        args.output.write_text(json.dumps({"commit": commit, "trl": trl_ver, "torch": torch_ver, "args": {
             k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "sizes": sizes}, indent=2) + "\n")
         print(f"wrote {args.output}")
     return 0
