@@ -130,7 +130,7 @@ if grad "$py" bench/gpu_grad_check.py "$policy" --save "$work/grad_fp32.safetens
   grad "$py" bench/gpu_grad_check.py "$policy" --compare "$work/grad_fp32.safetensors" --bf16
   bf16_rc=$?
   grad "$py" -m accelerate.commands.launch --config_file deployments/accelerate/deepspeed_zero3.yaml \
-    --num_processes 1 bench/gpu_grad_check.py "$policy" --compare "$work/grad_fp32.safetensors"
+    --num_processes 1 --main_process_port 0 bench/gpu_grad_check.py "$policy" --compare "$work/grad_fp32.safetensors"
   zero3_rc=$?
   status[grad]=$(( bf16_rc || zero3_rc ))
 else
@@ -140,11 +140,13 @@ echo "== grad: exit ${status[grad]}"; cat "$out/grad.log" 2>/dev/null
 [ "${status[grad]}" = 0 ] || tail -20 "$work/grad_full.log" >> "$out/grad.log"
 
 # ---------------------------------------------------------------- training
+# --main_process_port 0 here and in grad's ZeRO-3 launch: a free port, since accelerate's default 29500 may be taken by
+# another launch on the machine (CI runs this test beside the main suite's multi-process tests).
 train() {  # name, profile, seconds
   local name=$1 profile=$2 t0=$SECONDS
   [ "$(left)" -gt 30 ] || { not_run "$name" "$(left) s of the budget left"; return; }
   timeout -k 10 "$(cap "$3")" "$py" -m accelerate.commands.launch --config_file "deployments/accelerate/$profile.yaml" \
-    --num_processes 1 -m rloo_engine train --model_name_or_path "$policy" \
+    --num_processes 1 --main_process_port 0 -m rloo_engine train --model_name_or_path "$policy" \
     --dataset_name "$work/assets/prompts.jsonl" --output_dir "$work/$name" \
     --reward_funcs rloo_engine.reward_functions:brevity rloo_engine.reward_functions:even_token_fraction \
     --num_generations 4 --beta 0.05 --learning_rate 1e-4 --max_steps 4 --logging_steps 1 --save_steps 0 \
