@@ -1,5 +1,6 @@
 """CI's lanes: the engine test files the oldest-transformers run picks (scripts/engine_tests_on_oldest_transformers.txt)
-name every engine test file once, and each node it runs exists."""
+name every engine test file once, and each node it runs exists; the tests lane 2 takes from the main lane
+(scripts/ci_second_lane_tests.txt) exist, and .ci/run's main lane deselects exactly those."""
 
 import subprocess
 import sys
@@ -7,6 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LIST = ROOT / "scripts" / "engine_tests_on_oldest_transformers.txt"
+SECOND_LANE = ROOT / "scripts" / "ci_second_lane_tests.txt"
 
 
 def _entries() -> list[tuple[str, str]]:
@@ -40,3 +42,33 @@ def test_the_run_lines_collect_tests():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     collected = {line.split("::")[0] for line in out.stdout.splitlines() if "::" in line}
     assert collected == {t.split("::")[0] for t in targets}, "a `run` line collects no test"
+
+
+def _collected(*args: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode in (0, 5), out.stdout[-3000:] + out.stderr[-3000:]  # 5: every test deselected
+    return [line for line in out.stdout.splitlines() if "::" in line]
+
+
+def test_the_main_lane_deselects_what_lane_2_runs_and_nothing_else():
+    entries = [line.split("#")[0].split() for line in SECOND_LANE.read_text().splitlines()]
+    moved = [words[0] for words in entries if words]
+    assert moved, f"{SECOND_LANE.name} lists no test"
+    # .ci/run's own lines that read the list and build the main lane's arguments, run as CI runs them
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    start = next(i for i, line in enumerate(ci) if line.startswith("mapfile -t moved"))
+    end = next(i for i in range(start, len(ci)) if ci[i].startswith("for node in"))
+    script = "\n".join([*ci[start : end + 1], 'printf "%s\\n" "${moved[@]}"; printf "%s\\n" "${main_args[@]}"'])
+    printed = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    lines = printed.splitlines()
+    assert lines[: len(moved)] == moved
+    assert lines[len(moved) :] == [arg for node in moved for arg in ("--deselect", node)]
+    lane2 = _collected(*moved)
+    for node in moved:
+        assert any(t == node or t.startswith(node + "::") for t in lane2), f"{SECOND_LANE.name}: {node} collects no test"
+    # the main lane's arguments over the same files leave none of lane 2's tests, and keep the files' others
+    files = sorted({node.split("::")[0] for node in moved})
+    kept = _collected(*files, *lines[len(moved) :])
+    assert not set(kept) & set(lane2), sorted(set(kept) & set(lane2))
+    assert set(kept) | set(lane2) == set(_collected(*files))
