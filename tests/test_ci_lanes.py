@@ -11,9 +11,13 @@ LIST = ROOT / "scripts" / "engine_tests_on_oldest_transformers.txt"
 SECOND_LANE = ROOT / "scripts" / "ci_second_lane_tests.txt"
 
 
+def _lines(path: Path) -> list[list[str]]:
+    """The words of each line of a list file that has any, comments (`#` on) left out."""
+    return [words for line in path.read_text().splitlines() if (words := line.split("#")[0].split())]
+
+
 def _entries() -> list[tuple[str, str]]:
-    lines = [line.split("#")[0].split() for line in LIST.read_text().splitlines()]
-    return [(words[0], words[1]) for words in lines if words]
+    return [(words[0], words[1]) for words in _lines(LIST)]
 
 
 def test_every_engine_test_file_is_placed_once_run_or_not():
@@ -52,8 +56,7 @@ def _collected(*args: str) -> list[str]:
 
 
 def test_the_main_lane_deselects_what_lane_2_runs_and_nothing_else():
-    entries = [line.split("#")[0].split() for line in SECOND_LANE.read_text().splitlines()]
-    moved = [words[0] for words in entries if words]
+    moved = [words[0] for words in _lines(SECOND_LANE)]
     assert moved, f"{SECOND_LANE.name} lists no test"
     # .ci/run's own lines that read the list and build the main lane's arguments, run as CI runs them
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
